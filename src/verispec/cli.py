@@ -1,0 +1,58 @@
+"""The `verispec` command. Each subcommand lives in the module that implements it."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from verispec.errors import VerispecError
+
+# module that defines `register(subparsers)`; its parsers set `func`
+COMMAND_MODULES = [
+    "verispec.commands.models",
+    "verispec.commands.generate",
+]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # bad options: one line and exit 2, as argparse does, no usage dump
+        self.exit(2, f"verispec: error: {message}\n(see `{self.prog} --help`)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="verispec", description="Speculative decoding that never changes the answer.")
+    parser.add_argument("--version", action="version", version=f"verispec {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def _version() -> str:
+    from verispec import __version__
+    return __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except VerispecError as exc:
+        print(f"verispec: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("verispec: interrupted", file=sys.stderr)
+        return 130
+    except MemoryError:
+        print("verispec: error: out of memory; try a smaller model, --weights int8 or a shorter context",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Subcommands of the `verispec` command line, one module each."""

@@ -1,0 +1,79 @@
+"""`verispec generate`: decode one prompt, plainly or speculatively."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from verispec.commands.options import (add_model_options, load_target_and_draft, non_negative_float,
+                                       non_negative_int, positive_int, probability)
+
+# how --show colours each token by origin (the seed's figure: kept drafts purple)
+ORIGIN_STYLE = {"target": "default", "draft": "magenta", "recovered": "red", "bonus": "green"}
+
+
+def register(sub) -> None:
+    parser = sub.add_parser("generate", help="generate text from a prompt")
+    add_model_options(parser)
+    parser.add_argument("prompt", help="the prompt text ('-' reads standard input)")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    parser.add_argument("--max-tokens", "-n", type=positive_int, default=128)
+    parser.add_argument("--temperature", "-t", type=non_negative_float, default=0.0,
+                        help="0 (default) decodes greedily")
+    parser.add_argument("--top-k", type=non_negative_int, default=0)
+    parser.add_argument("--top-p", type=probability, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    parser.add_argument("--show", action="store_true",
+                        help="colour tokens by origin (kept draft, recovered, bonus) and print the statistics")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from rich.console import Console
+
+    from verispec.events import Finished
+    from verispec.generate import stream
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    target, draft = load_target_and_draft(args)
+    events = stream(target, prompt, draft=draft, gamma=args.gamma, adaptive=args.adaptive,
+                    max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat,
+                    ignore_eos=args.ignore_eos, ngram=tuple(args.ngram))
+    console = Console(highlight=False)
+    result = None
+    for event in events:
+        if isinstance(event, Finished):
+            result = event.result
+            if not args.json:
+                console.print(event.tail, end="", markup=False)
+        elif not args.json:
+            style = ORIGIN_STYLE[event.origin] if args.show else None
+            console.print(event.text, end="", style=style, markup=False, soft_wrap=True)
+            sys.stdout.flush()
+    if args.json:
+        print(json.dumps(result.to_dict(), ensure_ascii=False))
+        return 0
+    console.print()
+    t = result.timings
+    console.print(f"[dim]load {t.load_s:.1f} s · prompt {result.prompt_tokens} tokens, prefill {t.prefill_s:.2f} s · "
+                  f"{len(result.token_ids)} tokens at {t.tokens_per_s:.1f} tok/s · {result.finish_reason}[/dim]")
+    if result.spec is not None and (args.show or True):
+        print_spec_stats(console, result.spec, legend=args.show)
+    return 0
+
+
+def print_spec_stats(console, spec, legend: bool = False) -> None:
+    by_position = " ".join(f"{a:.0%}" for a in spec.acceptance_by_position)
+    console.print(f"[dim]speculative: {spec.rounds} target passes · drafted {spec.drafted}, accepted {spec.accepted} "
+                  f"({spec.acceptance_rate:.1%}), recovered {spec.recovered}, bonus {spec.bonus} · "
+                  f"{spec.tokens_per_pass:.2f} tokens/pass · draft {spec.draft_s:.2f} s, verify {spec.verify_s:.2f} s"
+                  f"[/dim]")
+    if by_position:
+        console.print(f"[dim]acceptance by draft position: {by_position}[/dim]")
+    if legend:
+        console.print("legend: [magenta]kept draft[/magenta]  [red]recovered (target's token at a rejection)"
+                      "[/red]  [green]bonus[/green]  plain = target step")

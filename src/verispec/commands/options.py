@@ -1,0 +1,87 @@
+"""Option types and shared option groups for the command line."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
+def probability(text: str) -> float:
+    value = non_negative_float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
+    return value
+
+
+WEIGHT_FORMATS = ["float32", "bfloat16", "float16", "int8", "int4"]
+
+
+def add_model_options(parser: argparse.ArgumentParser, draft: bool = True) -> None:
+    parser.add_argument("--model", "-m", required=True,
+                        help="target model: a demo name (see `verispec models`), a GGUF file or a HF folder")
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
+                        help="weight format of the target (default: float32 on CPU)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all cores)")
+    if draft:
+        parser.add_argument("--draft", "-d", default=None,
+                            help="draft model (name or path), or 'ngram' for prompt lookup")
+        parser.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=None,
+                            help="weight format of the draft model")
+        parser.add_argument("--gamma", "-g", type=non_negative_int, default=4, help="tokens drafted per round")
+        parser.add_argument("--adaptive", nargs="?", const="cost", choices=["cost", "heuristic"], default=False,
+                            help="choose γ each round: 'cost' (default; from measured acceptance and costs, "
+                                 "falls back to plain decoding) or 'heuristic' (+2 on full accept, -1 otherwise)")
+        parser.add_argument("--ngram", type=positive_int, nargs=2, metavar=("MAX", "MIN"), default=(3, 1),
+                            help="n-gram sizes tried by prompt lookup, longest first")
+
+
+def default_dtype(device: str, weights: str | None) -> str:
+    if weights in ("bfloat16", "float16", "float32"):
+        return weights
+    return "float32"
+
+
+def load_target_and_draft(args) -> tuple:
+    """Load --model (and --draft) with their formats, applying --threads first."""
+    import torch
+
+    from verispec.loading import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_model(args.model, default_dtype(args.device, args.weights), args.device, args.weights)
+    draft = getattr(args, "draft", None)
+    if draft and draft != "ngram":
+        fmt = args.draft_weights
+        draft = load_model(draft, default_dtype(args.device, fmt), args.device, fmt)
+    return target, draft

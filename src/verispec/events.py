@@ -1,0 +1,110 @@
+"""The one stream of events that baseline and speculative decoding produce.
+
+The CLI, the server and the lab all consume it: `Token` for every emitted token,
+then one `Finished` with the whole result, timings and statistics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+# where an emitted token came from:
+#   target     plain decoding (or the first token, from the prefill pass)
+#   draft      a drafted token the target kept ("accepted")
+#   recovered  the target's own token at the first rejected draft position
+#   bonus      the target's extra token after every draft was kept
+Origin = Literal["target", "draft", "recovered", "bonus"]
+
+
+@dataclass(slots=True)
+class Token:
+    token_id: int
+    text: str  # newly printable text; "" while a character or a possible stop string is incomplete
+    origin: Origin
+    index: int  # position among the generated tokens
+    round: int  # which target pass produced or confirmed it
+
+
+@dataclass
+class Timings:
+    load_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    tokens_per_s: float = 0.0  # tokens after the first / decode_s (prefill excluded)
+
+
+@dataclass
+class SpecStats:
+    rounds: int = 0  # target passes, the prefill pass included
+    drafted: int = 0
+    accepted: int = 0
+    recovered: int = 0
+    bonus: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)
+    drafted_by_position: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    gammas: list[int] = field(default_factory=list)  # γ of every round, for adaptive schedules
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens(self) -> int:
+        return self.accepted + self.recovered + self.bonus
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+
+    def record_position(self, position: int, accepted: bool) -> None:
+        while len(self.drafted_by_position) <= position:
+            self.drafted_by_position.append(0)
+            self.accepted_by_position.append(0)
+        self.drafted_by_position[position] += 1
+        self.accepted_by_position[position] += int(accepted)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(acceptance_rate=self.acceptance_rate, tokens_per_pass=self.tokens_per_pass,
+                   acceptance_by_position=self.acceptance_by_position)
+        return out
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    origins: list[str]
+    prompt_tokens: int
+    finish_reason: Literal["stop", "length", "eos"]
+    timings: Timings
+    spec: SpecStats | None = None  # None for baseline decoding
+
+    def to_dict(self) -> dict:
+        out = {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": len(self.token_ids),
+            "finish_reason": self.finish_reason,
+            "timings": asdict(self.timings),
+        }
+        if self.spec is not None:
+            out["spec"] = self.spec.to_dict()
+        return out
+
+
+@dataclass(slots=True)
+class Finished:
+    result: GenerationResult
+    tail: str = ""  # text held back while it could have begun a stop string, never streamed
+
+
+Event = Token | Finished

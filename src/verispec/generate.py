@@ -1,0 +1,236 @@
+"""Baseline and speculative decoding as one stream of events.
+
+    prefill: the target reads the prompt and picks the first token;
+    rounds:  a proposer drafts γ tokens, the target checks them in one pass
+             over [last token, drafts], the verifier keeps a prefix and adds one
+             token of the target's own, and every cache rolls back to what was kept.
+
+Baseline decoding is the same loop with γ = 0: one target pass, one token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from verispec.errors import ContextOverflowError, VerispecError
+from verispec.events import Event, Finished, GenerationResult, SpecStats, Timings, Token
+from verispec.sampling import SamplingParams, next_token
+from verispec.spec.gamma import make_policy
+from verispec.spec.proposer import Proposer
+from verispec.spec.verifier import verify_greedy, verify_sampling
+
+MAX_GAMMA = 32
+
+
+class TextAssembler:
+    """Turns tokens into printable text pieces, and finds stop strings across token borders."""
+
+    def __init__(self, tokenizer, stop: Sequence[str]):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.sent = 0  # characters already handed out
+        self.text = ""
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """(new printable text, whether a stop string was completed)."""
+        self.ids.append(token_id)
+        full = self.tokenizer.decode(self.ids)
+        if full.endswith("\ufffd"):
+            return "", False  # an incomplete UTF-8 sequence: wait for the next token
+        for s in self.stop:
+            at = full.find(s)
+            if at != -1:
+                self.text = full[:at]
+                piece = self.text[self.sent:]
+                self.sent = len(self.text)
+                return piece, True
+        self.text = full
+        hold = self._stop_prefix_len(full)
+        piece = full[self.sent:len(full) - hold]
+        self.sent += len(piece)
+        return piece, False
+
+    def flush(self) -> str:
+        piece = self.text[self.sent:]
+        self.sent = len(self.text)
+        return piece
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest tail of text that could still grow into a stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if s.startswith(text[-n:]):
+                    best = n
+                    break
+        return best
+
+
+def encode_prompt(tokenizer, prompt: str | list[int] | list[dict[str, Any]], chat: bool) -> list[int]:
+    if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+        return list(prompt)
+    if isinstance(prompt, list):
+        return tokenizer.encode_chat(prompt)
+    if chat:
+        return tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    return tokenizer.encode(prompt)
+
+
+def make_proposer(draft, target, ngram: tuple[int, int] = (3, 1)) -> Proposer | None:
+    """None (baseline), "ngram", a loaded draft model, or any Proposer."""
+    if draft is None:
+        return None
+    if draft == "ngram":
+        from verispec.spec.prompt_lookup import PromptLookupProposer
+        return PromptLookupProposer(max_ngram=ngram[0], min_ngram=ngram[1])
+    if hasattr(draft, "model") and hasattr(draft, "tokenizer"):
+        from verispec.spec.compat import check_tokenizers
+        from verispec.spec.draft_model import DraftModelProposer
+        check_tokenizers(target.tokenizer, draft.tokenizer)
+        return DraftModelProposer(draft)
+    if hasattr(draft, "propose"):
+        return draft
+    raise VerispecError(f"unknown draft {draft!r}: give a model, 'ngram', or a proposer")
+
+
+@torch.inference_mode()
+def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None, gamma: int = 4,
+           adaptive: bool | str = False, max_tokens: int = 128, temperature: float = 0.0,
+           top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
+           chat: bool = False, ignore_eos: bool = False, ngram: tuple[int, int] = (3, 1)) -> Iterator[Event]:
+    """Decode from `target` (a LoadedModel); with `draft`, speculatively. Yields Token events, then Finished."""
+    if max_tokens < 1:
+        raise VerispecError(f"max tokens must be at least 1, got {max_tokens}")
+    if not 0 <= gamma <= MAX_GAMMA:
+        raise VerispecError(f"gamma must be between 0 and {MAX_GAMMA}, got {gamma}")
+    params = SamplingParams(temperature, top_k, top_p, seed)
+    generator = params.generator() if not params.greedy else None
+    tokenizer, model = target.tokenizer, target.model
+    prompt_ids = encode_prompt(tokenizer, prompt, chat)
+    if not prompt_ids:
+        raise VerispecError("the prompt is empty")
+    context_size = target.config.max_position_embeddings
+    if len(prompt_ids) >= context_size:
+        raise ContextOverflowError(
+            f"the prompt has {len(prompt_ids):,} tokens but the model's context holds {context_size:,}; "
+            f"shorten the prompt")
+    proposer = make_proposer(draft, target, ngram)
+    policy = make_policy(gamma, adaptive) if proposer is not None else make_policy(0, False)
+    max_tokens = min(max_tokens, context_size - len(prompt_ids))
+    max_gamma = getattr(policy, "max_gamma", gamma) if adaptive else gamma
+    max_len = min(context_size, len(prompt_ids) + max_tokens + max_gamma + 1)
+    device = next(model.parameters()).device
+
+    stats = SpecStats()
+    text = TextAssembler(tokenizer, stop)
+    eos_ids = set() if ignore_eos else tokenizer.eos_ids
+    out_ids: list[int] = []
+    origins: list[str] = []
+    finish = None
+
+    def emit(tokens: list[int], kinds: list[str], round_index: int) -> Iterator[Token]:
+        """Emit tokens in order until a stop condition; sets `finish` when one is met."""
+        nonlocal finish
+        for token, kind in zip(tokens, kinds):
+            if token in eos_ids:
+                finish = "eos"
+                return
+            piece, stopped = text.add(token)
+            out_ids.append(token)
+            origins.append(kind)
+            yield Token(token, piece, kind, len(out_ids) - 1, round_index)
+            if stopped:
+                finish = "stop"
+                return
+            if len(out_ids) >= max_tokens:
+                finish = "length"
+                return
+
+    # prefill: the first token is the target's own (a round with no drafts)
+    started = time.perf_counter()
+    cache = model.new_cache(max_len)
+    logits = model(torch.tensor([prompt_ids], device=device), cache, last_only=True)[0, -1]
+    first = next_token(logits, params, generator)
+    prefill_s = time.perf_counter() - started
+    stats.rounds, stats.bonus = 1, 1
+    stats.gammas.append(0)
+    context = [*prompt_ids, first]
+    yield from emit([first], ["target"], 0)
+    if finish == "eos":
+        stats.bonus = 0
+    decode_started = time.perf_counter()
+    if proposer is not None and finish is None:
+        t0 = time.perf_counter()
+        proposer.start(prompt_ids, max_len)
+        stats.draft_s += time.perf_counter() - t0
+
+    while finish is None:
+        remaining = max_tokens - len(out_ids)
+        g = min(policy.choose(), remaining - 1, max_len - len(context) - 1) if proposer else 0
+        g = max(g, 0)
+        drafts, draft_probs, draft_s = [], None, 0.0
+        if g > 0:
+            t0 = time.perf_counter()
+            proposal = proposer.propose(context, g, params, generator)
+            draft_s = time.perf_counter() - t0
+            drafts, draft_probs = proposal.tokens[:g], proposal.probs
+        t0 = time.perf_counter()
+        feed = torch.tensor([[context[-1], *drafts]], device=device)
+        logits = model(feed, cache)[0]
+        if params.greedy:
+            verdict = verify_greedy(logits, drafts)
+        else:
+            verdict = verify_sampling(logits, drafts, draft_probs, params, generator)
+        kept = len(context) + verdict.accepted
+        cache.rollback(kept)
+        if proposer is not None:
+            proposer.commit(kept)
+        verify_s = time.perf_counter() - t0
+        stats.draft_s += draft_s
+        stats.verify_s += verify_s
+        policy.update(len(drafts), verdict.accepted, draft_s, verify_s)
+
+        new = verdict.tokens(drafts)
+        last_kind = "target" if not drafts else ("bonus" if verdict.bonus else "recovered")
+        kinds = ["draft"] * verdict.accepted + [last_kind]
+        before = len(out_ids)
+        yield from emit(new, kinds, stats.rounds)
+        emitted = len(out_ids) - before
+        _count(stats, drafts, verdict, emitted)
+        context.extend(new)
+
+    decode_s = time.perf_counter() - decode_started
+    timings = Timings(target.load_s, prefill_s, decode_s,
+                      (len(out_ids) - 1) / decode_s if decode_s > 0 and len(out_ids) > 1 else 0.0)
+    result = GenerationResult(text.text, out_ids, origins, len(prompt_ids), finish, timings,
+                              stats if proposer is not None else None)
+    yield Finished(result, tail=text.flush())
+
+
+def _count(stats: SpecStats, drafts: list[int], verdict, emitted: int) -> None:
+    """Book one round: only emitted tokens count, so tokens = accepted + recovered + bonus."""
+    stats.rounds += 1
+    stats.gammas.append(len(drafts))
+    stats.drafted += len(drafts)
+    kept_emitted = min(verdict.accepted, emitted)
+    stats.accepted += kept_emitted
+    for position in range(len(drafts)):
+        stats.record_position(position, position < kept_emitted)
+    if emitted > verdict.accepted:
+        if verdict.bonus:
+            stats.bonus += 1
+        else:
+            stats.recovered += 1
+
+
+def generate(target, prompt, **options) -> GenerationResult:
+    """Run `stream` to the end and return its result."""
+    for event in stream(target, prompt, **options):
+        if isinstance(event, Finished):
+            return event.result
+    raise AssertionError("stream ended without a Finished event")

@@ -1,0 +1,129 @@
+"""Turn a model name or path into a ready model: weights, config and tokenizer."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from verispec.config import ModelConfig
+from verispec.errors import CorruptModelError, ModelNotFoundError, VerispecError
+from verispec.loading.demo_models import DEMO_MODELS, model_path
+from verispec.loading.tokenizer import Tokenizer
+from verispec.models import build_model, check_supported
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    model: nn.Module
+    tokenizer: Tokenizer
+    config: ModelConfig
+    load_s: float
+    dtype: torch.dtype
+    device: torch.device
+    weights: str = "float32"  # weight format
+    info: dict = field(default_factory=dict)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decoding step reads (the embedding is a lookup, not a read)."""
+        from verispec.quant import weight_bytes
+        return weight_bytes(self.model)
+
+
+def resolve(spec: str | Path) -> Path:
+    """A demo model name or a path -> an existing path."""
+    text = str(spec)
+    if text in DEMO_MODELS:
+        path = model_path(text)
+        if not path.is_file():
+            raise ModelNotFoundError(
+                f"demo model {text!r} is not installed (expected {path}); "
+                f"run `verispec models --install` or `make demo`")
+        return path
+    path = Path(text).expanduser()
+    if not path.exists():
+        names = ", ".join(DEMO_MODELS)
+        raise ModelNotFoundError(f"no model at {text!r}: not a file or folder, nor a demo model name ({names})")
+    return path
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _build(config: ModelConfig, state: dict[str, torch.Tensor], path: Path) -> nn.Module:
+    with torch.device("meta"):
+        model = build_model(config)
+    if hasattr(model, "sanitize"):
+        state = model.sanitize(state)
+    expected = set(model.state_dict().keys())
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing = sorted(expected - set(state))
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise CorruptModelError(f"{path}: {len(missing)} weight(s) missing: {shown}")
+    model.load_state_dict({k: state[k] for k in expected}, strict=True, assign=True)
+    return model
+
+
+def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
+               weights: str | None = None) -> LoadedModel:
+    """Load a demo model name, a GGUF file or a Hugging Face folder.
+
+    `weights` picks the weight format (float32, bfloat16, float16, int8, int4);
+    by default the format follows `dtype`.
+    """
+    started = time.perf_counter()
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise VerispecError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise VerispecError(f"unknown device {device!r}; use cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise VerispecError("--device cuda was asked for, but no CUDA device is available")
+    path = resolve(spec)
+    meta: dict = {}
+    quantized: dict = {}
+    if path.is_dir():
+        from verispec.loading.hf_folder import load_state, read_config
+        from verispec.loading.tokenizer import from_hf_folder
+
+        config, _ = read_config(path)
+        check_supported(config)  # before reading gigabytes of weights
+        state = load_state(path, dtype)
+        tokenizer = from_hf_folder(path, config.eos_token_ids)
+    elif _is_gguf(path):
+        from verispec.loading.gguf_file import load_gguf
+        from verispec.loading.tokenizer import from_gguf
+
+        config, state, meta, quantized = load_gguf(path, dtype, keep_quantized=weights == "int4")
+        tokenizer = from_gguf(path, meta)
+    else:
+        raise CorruptModelError(f"{path}: neither a GGUF file nor a Hugging Face folder")
+    if not tokenizer.eos_ids:
+        tokenizer.eos_ids = config.eos_token_ids
+    model = _build(config, state, path)
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    fmt = weights or {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    if fmt in ("int8", "int4"):
+        from verispec.quant import quantize_model
+        quantize_model(model, fmt, gguf_tensors=quantized)
+    elif fmt not in DTYPES:
+        raise VerispecError(f"unknown weight format {fmt!r}; choose from float32, bfloat16, float16, int8, int4")
+    name = str(spec) if str(spec) in DEMO_MODELS else path.name
+    return LoadedModel(name, path, model, tokenizer, config, time.perf_counter() - started,
+                       dtype, device, fmt, {"gguf_metadata_keys": len(meta)})

@@ -1,0 +1,205 @@
+"""Load a single GGUF file: metadata -> ModelConfig, tensors -> Hugging Face names, tokenizer.
+
+Tensors are dequantised with the `gguf` package. Quantised blocks can also be
+kept as they are (`raw=True`) for the weight formats that read GGUF blocks directly.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from verispec.config import ModelConfig
+from verispec.errors import CorruptModelError, UnsupportedArchitectureError
+
+# GGUF architecture name -> our family key
+GGUF_ARCHITECTURES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+}
+
+# per-block tensor names: GGUF -> Hugging Face
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if not match or match.group(2) not in _BLOCK_NAMES:
+        return None
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+
+
+def open_reader(path: Path):
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:  # the reader raises many kinds on a damaged file
+        raise CorruptModelError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+    size = path.stat().st_size
+    for tensor in reader.tensors:
+        end = int(tensor.data_offset) + int(tensor.n_bytes)
+        if end > size:
+            raise CorruptModelError(
+                f"{path}: truncated: tensor {tensor.name} ends at byte {end:,} but the file has {size:,}")
+    return reader
+
+
+def metadata(reader) -> dict[str, Any]:
+    out = {}
+    for key, field in reader.fields.items():
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                   "tokenizer.ggml.scores"):
+            continue
+        try:
+            out[key] = field.contents()
+        except Exception:
+            continue
+    return out
+
+
+def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], vocab_rows: int) -> ModelConfig:
+    arch = meta.get("general.architecture", "?")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}")
+    family = GGUF_ARCHITECTURES[arch]
+    if family == "llama" and meta.get("llama.expert_count"):
+        family = "mixtral"  # llama.cpp stores Mixtral as llama with experts
+    elif family == "llama" and "mistral" in str(meta.get("general.name", "")).lower():
+        family = "mistral"
+
+    def get(key: str, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    head_dim = get("attention.key_length") or hidden // heads
+    rope_dim = get("rope.dimension_count") or head_dim
+    scaling = None
+    kind = get("rope.scaling.type")
+    if kind and kind != "none":
+        scaling = {"rope_type": kind, "factor": float(get("rope.scaling.factor", 1.0))}
+        if get("rope.scaling.original_context_length"):
+            scaling["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
+    layers = int(get("block_count"))
+    kwargs: dict[str, Any] = dict(
+        model_type=family,
+        vocab_size=vocab_rows,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(get("attention.head_count_kv", heads)),
+        intermediate_size=int(get("feed_forward_length", 0) or 0),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        partial_rotary_factor=rope_dim / head_dim,
+        max_position_embeddings=int(get("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+    )
+    if get("expert_count"):
+        kwargs.update(
+            num_experts=int(get("expert_count")),
+            num_experts_per_tok=int(get("expert_used_count")),
+            moe_intermediate_size=int(get("expert_feed_forward_length", 0) or 0),
+            shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length", 0) or 0),
+            norm_topk_prob=family == "qwen3_moe" or bool(get("expert_weights_norm", False)),
+        )
+    return ModelConfig(**kwargs)
+
+
+def unpermute_qk(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's reordering of q/k rows for the 'llama' architecture (interleaved rope)."""
+    rows = weight.shape[0]
+    rest = weight.shape[1:]
+    return weight.reshape(heads, rows // heads // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
+
+
+def dequantize(tensor) -> torch.Tensor:
+    from gguf import GGMLQuantizationType, quants
+
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+        array = np.asarray(tensor.data)
+        if tensor.tensor_type == GGMLQuantizationType.BF16:
+            return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16).float().reshape(shape)
+        return torch.from_numpy(array.astype(np.float32)).reshape(shape)
+    values = quants.dequantize(tensor.data, tensor.tensor_type)
+    return torch.from_numpy(values).reshape(shape)
+
+
+def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False
+              ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """Returns (config, state_dict, metadata, quantized) for a GGUF file.
+
+    `quantized` maps a Hugging Face weight name to its raw GGUF tensor, when
+    keep_quantized is set and the weight is stored in a block format.
+    """
+    reader = open_reader(path)
+    meta = metadata(reader)
+    names = {t.name for t in reader.tensors}
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise CorruptModelError(f"{path}: no token_embd.weight tensor")
+    config = config_from_metadata(meta, names, int(embed.shape[1]))
+    state: dict[str, torch.Tensor] = {}
+    quantized: dict[str, Any] = {}
+    permute = config.model_type in ("llama", "mistral")
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            continue
+        try:
+            value = dequantize(tensor)
+        except Exception as exc:
+            raise CorruptModelError(f"{path}: tensor {tensor.name} could not be decoded: {exc}") from None
+        if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
+            value = unpermute_qk(value, config.num_attention_heads)
+        elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
+            value = unpermute_qk(value, config.num_key_value_heads)
+        elif keep_quantized and value.dim() == 2 and tensor.tensor_type.name not in ("F32", "F16", "BF16"):
+            quantized[name] = tensor
+        state[name] = value.to(dtype)
+    return config, state, meta, quantized

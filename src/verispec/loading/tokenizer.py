@@ -1,0 +1,122 @@
+"""Tokenizers from a Hugging Face folder or a GGUF file, with the chat template they carry."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as BackendTokenizer
+
+from verispec.errors import CorruptModelError, VerispecError
+
+
+class Tokenizer:
+    def __init__(self, backend: BackendTokenizer, eos_ids: set[int], bos_token: str | None = None,
+                 eos_token: str | None = None, chat_template: str | None = None,
+                 add_bos: bool = False, bos_id: int | None = None):
+        self.backend = backend
+        self.eos_ids = set(eos_ids)
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.chat_template = chat_template
+        self.add_bos = add_bos
+        self.bos_id = bos_id
+
+    # -- ids and text
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    # -- chat
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise VerispecError("this model has no chat template; run without --chat")
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent, ensure_ascii=False)
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        template = env.from_string(self.chat_template)
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+
+def _token_content(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def from_hf_folder(folder: Path, config_eos: set[int]) -> Tokenizer:
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise VerispecError(f"{folder}: no tokenizer.json")
+    try:
+        backend = BackendTokenizer.from_file(str(path))
+    except Exception as exc:
+        raise CorruptModelError(f"{path}: unreadable tokenizer ({exc})") from None
+    settings: dict[str, Any] = {}
+    if (folder / "tokenizer_config.json").is_file():
+        settings = json.loads((folder / "tokenizer_config.json").read_text())
+    template = settings.get("chat_template")
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    bos, eos = _token_content(settings.get("bos_token")), _token_content(settings.get("eos_token"))
+    eos_ids = set(config_eos)
+    if eos and backend.token_to_id(eos) is not None:
+        eos_ids.add(backend.token_to_id(eos))
+    bos_id = backend.token_to_id(bos) if bos else None
+    return Tokenizer(backend, eos_ids, bos, eos, template, bool(settings.get("add_bos_token", False)), bos_id)
+
+
+def from_gguf(path: Path, meta: dict[str, Any]) -> Tokenizer:
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        convert_gguf_tokenizer, get_gguf_tokenizer)
+
+    try:
+        architecture, tokenizer_dict, _ = get_gguf_tokenizer(str(path))
+        backend, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    except Exception as exc:
+        raise CorruptModelError(f"{path}: the embedded tokenizer could not be read ({exc})") from None
+    bos_id = meta.get("tokenizer.ggml.bos_token_id")
+    eos_id = meta.get("tokenizer.ggml.eos_token_id")
+    eos_ids = {int(eos_id)} if eos_id is not None else set()
+    return Tokenizer(
+        backend,
+        eos_ids,
+        bos_token=backend.id_to_token(bos_id) if bos_id is not None else None,
+        eos_token=backend.id_to_token(eos_id) if eos_id is not None else None,
+        chat_template=meta.get("tokenizer.chat_template"),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        bos_id=bos_id,
+    )

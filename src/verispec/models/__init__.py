@@ -1,0 +1,37 @@
+"""Model families, one file each. `build_model` picks the family from config.model_type."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from verispec.config import ModelConfig
+from verispec.errors import UnsupportedArchitectureError
+
+
+def _dense(config: ModelConfig) -> nn.Module:
+    from verispec.models.dense import CausalLM
+    return CausalLM(config)
+
+
+FAMILIES = {
+    "llama": _dense,
+    "mistral": _dense,
+    "qwen2": _dense,
+    "qwen3": _dense,
+}
+
+
+def supported_families() -> list[str]:
+    return sorted(FAMILIES)
+
+
+def check_supported(config: ModelConfig) -> None:
+    if config.model_type not in FAMILIES:
+        raise UnsupportedArchitectureError(
+            f"architecture {config.model_type!r} is not supported; "
+            f"supported: {', '.join(supported_families())}")
+
+
+def build_model(config: ModelConfig) -> nn.Module:
+    check_supported(config)
+    return FAMILIES[config.model_type](config)

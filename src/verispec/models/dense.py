@@ -1,0 +1,94 @@
+"""Dense decoders of the Llama kind: Llama, Mistral, Qwen2, Qwen3 (and SmolLM, which is Llama).
+
+pre-norm blocks: x + attn(norm(x)), then x + swiglu(norm(x)); rotary positions;
+grouped-query attention; optional QKV bias (Qwen2), q/k norm (Qwen3), tied embeddings.
+Parameter names follow the Hugging Face checkpoints, so their state dicts load as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from verispec.cache import KVCache
+from verispec.config import ModelConfig
+from verispec.models.common import Attention, RMSNorm, SwiGLU, rope_tables
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, mlp: nn.Module | None = None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_index)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp if mlp is not None else SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x, cos, sin, cache, start):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig, layers: list[nn.Module]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model over a position-indexed KV cache.
+
+    `forward(tokens, cache)` runs the tokens at positions cache.length.. and
+    returns float32 logits; with `last_only` only the final position's row.
+    """
+
+    def __init__(self, config: ModelConfig, layers: list[nn.Module] | None = None):
+        super().__init__()
+        self.config = config
+        if layers is None:
+            layers = [DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        self.model = Backbone(config, layers)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False)
+        # rotary tables are plain attributes, built for the longest cache asked for so far
+        self._rope_len = 0
+        self.rope_cos = self.rope_sin = None
+
+    # -- cache
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        self.ensure_rope(max_len)
+        ref = self.model.embed_tokens.weight
+        c = self.config
+        dtype = ref.dtype if ref.dtype.is_floating_point else torch.float32
+        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len,
+                       batch, dtype, ref.device)
+
+    def ensure_rope(self, max_len: int) -> None:
+        device = self.model.embed_tokens.weight.device
+        if max_len > self._rope_len or self.rope_cos.device != device:
+            cos, sin = rope_tables(self.config, max_len)
+            self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+            self._rope_len = max_len
+
+    def output_weight(self) -> nn.Module:
+        return self.lm_head if self.lm_head is not None else self.model.embed_tokens
+
+    # -- forward
+    def forward(self, tokens: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
+        start = cache.length
+        length = tokens.shape[1]
+        cos = self.rope_cos[start:start + length]
+        sin = self.rope_sin[start:start + length]
+        x = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache, start)
+        cache.advance(length)
+        if last_only:
+            x = x[:, -1:]
+        x = self.model.norm(x)
+        if self.lm_head is not None:
+            logits = self.lm_head(x)
+        else:
+            logits = torch.nn.functional.linear(x, self.model.embed_tokens.weight)
+        return logits.float()

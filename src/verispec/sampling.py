@@ -1,0 +1,73 @@
+"""Logits -> probabilities (temperature, top-k, top-p) and drawing a token.
+
+Both the target and the draft pass through the same warping, so speculative
+sampling reproduces exactly the distribution that plain sampling draws from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from verispec.errors import VerispecError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise VerispecError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise VerispecError(f"top-k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise VerispecError(f"top-p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        gen = torch.Generator(device=device)
+        if self.seed is not None:
+            gen.manual_seed(self.seed)
+        else:
+            gen.seed()
+        return gen
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Float32 probabilities over the last dimension after temperature, top-k and top-p."""
+    logits = logits.float()
+    if params.greedy:
+        # a one-hot on the argmax: greedy decoding is sampling at temperature 0
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # keep the smallest set whose mass reaches top_p (the first token always stays)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token from one row of logits."""
+    if params.greedy:
+        return int(logits.argmax())
+    return sample(probabilities(logits, params), generator)

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers draft, the verifier decides, policies choose γ."""

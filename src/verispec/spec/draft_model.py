@@ -1,0 +1,56 @@
+"""A smaller language model drafts tokens autoregressively over its own cache."""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.sampling import SamplingParams, probabilities
+from verispec.spec.proposer import Proposal
+
+
+class DraftModelProposer:
+    """Drafts γ tokens one step at a time.
+
+    The draft cache holds every token it has been fed. A round feeds only what
+    the cache lacks: normally the target's last token, or after a fully kept
+    round the last draft plus the bonus token together, in one pass rather
+    than an extra one. The γ-th draft is never fed: if it is kept, it is fed
+    together with the next round's first token.
+    """
+
+    def __init__(self, loaded, name: str | None = None):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.name = name or loaded.name
+        self.cache = None
+        self.device = loaded.device
+
+    @torch.inference_mode()
+    def start(self, prompt_ids: list[int], max_len: int) -> None:
+        """Prefill the prompt, so that the first round pays only for drafting."""
+        self.cache = self.model.new_cache(max_len)
+        self.model(torch.tensor([prompt_ids], device=self.device), self.cache, last_only=True)
+
+    @torch.inference_mode()
+    def propose(self, context: list[int], gamma: int, params: SamplingParams,
+                generator: torch.Generator | None) -> Proposal:
+        pending = context[self.cache.length:]
+        feed = torch.tensor([pending], device=self.device)
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        for i in range(gamma):
+            logits = self.model(feed, self.cache, last_only=True)[0, -1]
+            if params.greedy:
+                token = int(logits.argmax())
+            else:
+                probs = probabilities(logits, params)
+                token = int(torch.multinomial(probs, 1, generator=generator))
+                rows.append(probs)
+            tokens.append(token)
+            if i + 1 < gamma:
+                feed = torch.tensor([[token]], device=self.device)
+        return Proposal(tokens, torch.stack(rows) if rows else None)
+
+    def commit(self, length: int) -> None:
+        if self.cache.length > length:
+            self.cache.rollback(length)

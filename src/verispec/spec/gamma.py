@@ -1,0 +1,126 @@
+"""How many tokens to draft each round: fixed, the familiar heuristic, or cost-aware.
+
+The cost-aware policy picks the γ that maximises expected tokens per second,
+
+    E(γ) / (γ·t_draft + t_verify(γ+1)),   E(γ) = (1 - α^(γ+1)) / (1 - α),
+
+from the acceptance α observed so far and the draft and verify times measured
+in this very request. γ = 0 is plain decoding; the policy falls back to it
+when speculation does not pay, and probes now and then to notice a change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Expected tokens per round when each draft is kept independently with probability α."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+class FixedGamma:
+    def __init__(self, gamma: int):
+        self.gamma = gamma
+
+    def choose(self) -> int:
+        return self.gamma
+
+    def update(self, gamma: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        pass
+
+
+class HeuristicGamma:
+    """+2 after a fully kept round, -1 otherwise, within [low, high] (transformers' schedule)."""
+
+    def __init__(self, start: int = 4, low: int = 1, high: int = 16):
+        self.gamma, self.low, self.high = start, low, high
+
+    def choose(self) -> int:
+        return self.gamma
+
+    def update(self, gamma: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        if gamma == 0:
+            return
+        step = 2 if accepted == gamma else -1
+        self.gamma = max(self.low, min(self.high, self.gamma + step))
+
+
+@dataclass
+class CostAwareGamma:
+    max_gamma: int = 16
+    decay: float = 0.9  # weight of the past in the running estimates
+    probe_every: int = 16  # plain rounds between probes once speculation was given up
+    probe_gamma: int = 2
+    prior_alpha: float = 0.6
+    prior_weight: float = 2.0
+    kept: float = 0.0
+    rejected: float = 0.0
+    draft_step_s: float | None = None
+    verify_s: dict[int, float] = field(default_factory=dict)
+    plain_rounds: int = 0
+
+    @property
+    def alpha(self) -> float:
+        kept = self.kept + self.prior_alpha * self.prior_weight
+        rejected = self.rejected + (1 - self.prior_alpha) * self.prior_weight
+        return kept / (kept + rejected)
+
+    def verify_time(self, positions: int) -> float | None:
+        """Measured time of a pass over `positions`, interpolated between measured sizes."""
+        if positions in self.verify_s:
+            return self.verify_s[positions]
+        known = sorted(self.verify_s)
+        if not known:
+            return None
+        below = [m for m in known if m < positions]
+        above = [m for m in known if m > positions]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            w = (positions - lo) / (hi - lo)
+            return self.verify_s[lo] * (1 - w) + self.verify_s[hi] * w
+        if below:  # extrapolate: assume cost grows no slower than the last measured slope
+            lo = below[-1]
+            slope = (self.verify_s[lo] - self.verify_s[below[0]]) / (lo - below[0]) if len(below) > 1 else 0.0
+            return self.verify_s[lo] + max(slope, 0.05 * self.verify_s[known[0]]) * (positions - lo)
+        return self.verify_s[above[0]]
+
+    def choose(self) -> int:
+        if self.draft_step_s is None or 1 not in self.verify_s:
+            # measure both costs first: one plain step, then speculate at a middling γ
+            return 0 if 1 not in self.verify_s else 4
+        alpha = self.alpha
+        best_gamma, best_rate = 0, 1.0 / self.verify_s[1]
+        for gamma in range(1, self.max_gamma + 1):
+            cost = gamma * self.draft_step_s + self.verify_time(gamma + 1)
+            rate = expected_tokens(alpha, gamma) / cost
+            if rate > best_rate:
+                best_gamma, best_rate = gamma, rate
+        if best_gamma == 0:
+            self.plain_rounds += 1
+            if self.plain_rounds % self.probe_every == 0:
+                return self.probe_gamma  # look again: acceptance may have changed
+        else:
+            self.plain_rounds = 0
+        return best_gamma
+
+    def _blend(self, old: float | None, new: float) -> float:
+        return new if old is None else self.decay * old + (1 - self.decay) * new
+
+    def update(self, gamma: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        self.verify_s[gamma + 1] = self._blend(self.verify_s.get(gamma + 1), verify_s)
+        if gamma == 0:
+            return
+        self.draft_step_s = self._blend(self.draft_step_s, draft_s / gamma)
+        self.kept = self.decay * self.kept + accepted
+        self.rejected = self.decay * self.rejected + (1 if accepted < gamma else 0)
+
+
+def make_policy(gamma: int, adaptive: bool | str) -> FixedGamma | HeuristicGamma | CostAwareGamma:
+    if not adaptive:
+        return FixedGamma(gamma)
+    if adaptive == "heuristic":
+        return HeuristicGamma(start=gamma, high=max(gamma, 16))
+    return CostAwareGamma(max_gamma=max(gamma, 16))
