@@ -12,6 +12,7 @@ from torch import nn
 
 from verispec.cache import KVCache
 from verispec.config import ModelConfig
+from verispec.errors import ContextOverflowError
 from verispec.models.common import Attention, RMSNorm, SwiGLU, rope_tables
 
 
@@ -78,6 +79,9 @@ class CausalLM(nn.Module):
     def forward(self, tokens: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
         start = cache.length
         length = tokens.shape[1]
+        if start + length > cache.max_len:
+            raise ContextOverflowError(
+                f"{start + length} positions do not fit the cache of {cache.max_len}")
         cos = self.rope_cos[start:start + length]
         sin = self.rope_sin[start:start + length]
         x = self.model.embed_tokens(tokens)

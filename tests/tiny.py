@@ -1,0 +1,159 @@
+"""Tiny random models for the tests: Hugging Face folders and GGUF files built on the spot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+MERGES = [("a", "b"), ("c", "d"), ("Ġ", "t")]
+
+
+def byte_vocab() -> dict[str, int]:
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = sorted(ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    for left, right in MERGES:
+        vocab[left + right] = len(vocab)
+    for token in SPECIALS:
+        vocab[token] = len(vocab)
+    return vocab
+
+
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer: 256 bytes, three merges, three special tokens (262 ids)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE(byte_vocab(), list(MERGES)))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    return tok
+
+
+VOCAB = 262
+EOS_ID = byte_vocab()["<|im_end|>"]
+
+
+def write_tokenizer(folder: Path) -> None:
+    tiny_tokenizer().save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHAT_TEMPLATE, "add_bos_token": False}))
+
+
+def hf_config(family: str, **overrides):
+    """A tiny transformers config of the given family."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  eos_token_id=EOS_ID, bos_token_id=None, tie_word_embeddings=False)
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[family]
+    if family == "qwen3":
+        common["head_dim"] = 16
+    common.update(overrides)
+    return cls(**common)
+
+
+def randomize(model: torch.nn.Module, seed: int, scale: float = 0.15) -> None:
+    """Larger-than-default random weights, so logits have clear winners (few near-ties)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(scale * torch.randn(p.shape, generator=gen))
+
+
+def save_hf_model(folder: Path, family: str = "qwen2", seed: int = 0, **overrides):
+    """Build, randomise and save a tiny transformers model; returns the transformers model."""
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = hf_config(family, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    randomize(model, seed)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    model.eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    write_tokenizer(folder)
+    return model
+
+
+# ------------------------------------------------------------------ GGUF
+
+_GGUF_BLOCK = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order for the 'llama' architecture."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path: Path, hf_model, arch: str) -> None:
+    """Write a transformers dense model as an F32 GGUF file with the tiny tokenizer embedded."""
+    import gguf
+
+    cfg = hf_model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"] if hasattr(cfg, "rope_parameters")
+                              else cfg.rope_theta)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    vocab = byte_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    writer.add_token_merges([f"{a} {b}" for a, b in MERGES])
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    for name, tensor in hf_model.state_dict().items():
+        array = tensor.detach().float().numpy()
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if cfg.tie_word_embeddings:
+                continue
+            gguf_name = "output.weight"
+        else:
+            parts = name.split(".")  # model.layers.N.<module...>.weight|bias
+            module, kind = ".".join(parts[3:-1]), parts[-1]
+            gguf_name = f"blk.{parts[2]}.{_GGUF_BLOCK[module]}.{kind}"
+            if arch == "llama" and module == "self_attn.q_proj":
+                array = _permute(array, cfg.num_attention_heads)
+            elif arch == "llama" and module == "self_attn.k_proj":
+                array = _permute(array, cfg.num_key_value_heads)
+        writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
