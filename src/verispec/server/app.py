@@ -1,0 +1,321 @@
+"""An OpenAI-compatible HTTP API over one model, decoded plainly or speculatively.
+
+Every request runs `verispec.generate.stream`, one at a time (batch 1): the
+model sits behind a lock, and decoding runs in a worker thread so that the
+event loop keeps answering /health and /metrics meanwhile. Prompts are encoded
+and checked before a request queues for the model, so a user's mistake is a
+400 with OpenAI's error body, never a 500 or a half-sent stream.
+
+Any model name in a request is accepted: the server has one model, and the
+responses name it (the name `GET /v1/models` lists).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from verispec.errors import ContextOverflowError, VerispecError
+from verispec.events import Event, Finished, GenerationResult
+from verispec.generate import MAX_GAMMA, make_proposer, stream
+from verispec.server.metrics import ServerMetrics
+from verispec.server.responses import FINISH_REASONS, ResponseShape, error_body, sse
+from verispec.server.schemas import EXPECTED_SHAPES, ChatCompletionRequest, CompletionRequest, DecodingRequest
+
+log = logging.getLogger("verispec.server")
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the end of the context
+ADAPTIVE_POLICIES = (False, "cost", "heuristic")
+
+
+@dataclass
+class Job:
+    """A checked request: prompt token ids and the options for `stream`."""
+
+    prompt_ids: list[int]
+    options: dict[str, Any]
+
+
+class Engine:
+    """The served model, its drafting method, and the lock that keeps requests one at a time."""
+
+    def __init__(self, target, draft=None, gamma: int = 4, adaptive: bool | str = False,
+                 ngram: tuple[int, int] = (3, 1), served_model_name: str | None = None):
+        if not 0 <= gamma <= MAX_GAMMA:
+            raise VerispecError(f"gamma must be between 0 and {MAX_GAMMA}, got {gamma}")
+        adaptive = "cost" if adaptive is True else adaptive
+        if adaptive not in ADAPTIVE_POLICIES:
+            raise VerispecError(f"adaptive must be one of false, 'cost' or 'heuristic', got {adaptive!r}")
+        self.target = target
+        self.name = served_model_name or target.name
+        # built once, so a draft whose tokenizer differs from the target's fails at start-up
+        self.proposer = make_proposer(draft, target, ngram)
+        self.draft_name = getattr(self.proposer, "name", None) if self.proposer is not None else None
+        self.gamma, self.adaptive = gamma, adaptive
+        self.context_size = target.config.max_position_embeddings
+        self.created = int(time.time())
+        self.lock = asyncio.Lock()
+        positions = (max(gamma, 16) if adaptive else gamma) if self.proposer is not None else 0
+        self.metrics = ServerMetrics(self.name, positions)
+
+    # -- checking a request
+    def completion_job(self, request: CompletionRequest) -> Job:
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            prompt_ids = self.target.tokenizer.encode(prompt)
+        else:
+            prompt_ids = self._checked_ids(prompt)
+        max_tokens = request.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+        return self._job(prompt_ids, max_tokens, request)
+
+    def chat_job(self, request: ChatCompletionRequest) -> Job:
+        tokenizer = self.target.tokenizer
+        if not tokenizer.chat_template:
+            raise VerispecError(f"{self.name} has no chat template; use /v1/completions with a plain prompt")
+        from jinja2.exceptions import TemplateError
+
+        try:
+            prompt_ids = tokenizer.encode_chat([m.for_template() for m in request.messages])
+        except TemplateError as exc:
+            raise VerispecError(f"the model's chat template refused these messages: {exc}") from None
+        max_tokens = request.max_completion_tokens or request.max_tokens or self.context_size
+        return self._job(prompt_ids, max_tokens, request)
+
+    def _checked_ids(self, ids: list[int]) -> list[int]:
+        vocab = self.target.config.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise VerispecError(f"token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})")
+        return ids
+
+    def _job(self, prompt_ids: list[int], max_tokens: int, request: DecodingRequest) -> Job:
+        if not prompt_ids:
+            raise VerispecError("the prompt is empty")
+        if len(prompt_ids) >= self.context_size:
+            raise ContextOverflowError(
+                f"this model's maximum context length is {self.context_size} tokens, but the prompt has "
+                f"{len(prompt_ids)} tokens; shorten the prompt")
+        options = dict(
+            max_tokens=max_tokens,  # stream() trims it to what the context has room for
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=max(request.top_k or 0, 0),
+            seed=request.seed,
+            stop=request.stop_strings,
+            ignore_eos=request.ignore_eos,
+            draft=self.proposer,
+            gamma=self.gamma,
+            adaptive=self.adaptive,
+        )
+        return Job(prompt_ids, options)
+
+    # -- decoding
+    @asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        """Wait for the model, then hold it."""
+        self.metrics.waiting.inc()
+        try:
+            await self.lock.acquire()
+        finally:
+            self.metrics.waiting.dec()
+        self.metrics.running.inc()
+        try:
+            yield
+        finally:
+            self.metrics.running.dec()
+            self.lock.release()
+
+    async def complete(self, job: Job) -> GenerationResult:
+        async with self.turn():
+            return await anyio.to_thread.run_sync(self._run_to_end, job)
+
+    def _run_to_end(self, job: Job) -> GenerationResult:
+        for event in stream(self.target, job.prompt_ids, **job.options):
+            if isinstance(event, Finished):
+                self._record(event.result)
+                return event.result
+        raise AssertionError("stream ended without a Finished event")
+
+    async def events(self, job: Job) -> AsyncIterator[Event]:
+        """The events of one request; the model is held until the last one (or the client leaves)."""
+        async with self.turn():
+            events = stream(self.target, job.prompt_ids, **job.options)
+            finished, generated = False, 0
+            try:
+                while (event := await anyio.to_thread.run_sync(next, events, None)) is not None:
+                    if isinstance(event, Finished):
+                        finished = True
+                        self._record(event.result)
+                    else:
+                        generated += 1
+                    yield event
+            finally:
+                events.close()
+                if not finished:
+                    self.metrics.record_abort(len(job.prompt_ids), generated)
+
+    def _record(self, result: GenerationResult) -> None:
+        self.metrics.record(result, FINISH_REASONS[result.finish_reason])
+
+
+def create_app(target, draft=None, gamma: int = 4, adaptive: bool | str = False,
+               ngram: tuple[int, int] = (3, 1), served_model_name: str | None = None) -> FastAPI:
+    """A FastAPI app serving `target` (a LoadedModel), speculatively when `draft` is given.
+
+    `draft`: None, a LoadedModel with the target's tokenizer, "ngram" (prompt lookup), or a
+    Proposer. Raises VerispecError at once for a draft whose tokenizer differs from the target's.
+    """
+    from verispec import __version__
+
+    engine = Engine(target, draft, gamma, adaptive, ngram, served_model_name)
+    # strict_content_type=False: a JSON body sent without a Content-Type header is still read as JSON
+    app = FastAPI(title="verispec", version=__version__, strict_content_type=False,
+                  description="OpenAI-compatible API over speculative decoding that never changes the answer.")
+    app.state.engine = engine
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": engine.name, "busy": engine.lock.locked()}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": engine.name, "object": "model", "created": engine.created, "owned_by": "verispec",
+                "max_model_len": engine.context_size,
+                "verispec": {"draft": engine.draft_name, "gamma": engine.gamma, "adaptive": engine.adaptive,
+                             "weights": getattr(target, "weights", None)}}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        body, content_type = engine.metrics.exposition(request.headers.get("accept", ""))
+        return Response(body, headers={"Content-Type": content_type})
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest) -> Response:
+        return await _answer(engine, engine.completion_job(request), request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest) -> Response:
+        return await _answer(engine, engine.chat_job(request), request, chat=True)
+
+    return app
+
+
+async def _answer(engine: Engine, job: Job, request: DecodingRequest, chat: bool) -> Response:
+    shape = ResponseShape(engine.name, chat, engine.draft_name)
+    if request.stream:
+        return StreamingResponse(_sse_stream(engine, job, shape, request.include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    result = await engine.complete(job)
+    return JSONResponse(shape.full(result))
+
+
+async def _sse_stream(engine: Engine, job: Job, shape: ResponseShape, include_usage: bool) -> AsyncIterator[str]:
+    if shape.chat:
+        yield sse(shape.chunk("", role=True))
+    try:
+        async for event in engine.events(job):
+            if isinstance(event, Finished):
+                yield sse(shape.final_chunk(event.result, event.tail))
+                if include_usage:
+                    yield sse(shape.usage_chunk(event.result))
+            elif event.text:  # a token whose text is still incomplete sends nothing yet
+                yield sse(shape.chunk(event.text))
+    except VerispecError as exc:  # the status line is already sent: report it in the stream
+        yield sse(error_body(str(exc), 400))
+    except Exception as exc:  # a bug: log it here, and tell the client in one line
+        log.exception("error while streaming")
+        yield sse(error_body(f"internal error: {type(exc).__name__}: {exc}", 500))
+    yield sse("[DONE]")
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param, code), status_code=status)
+
+
+def _describe_validation(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """One readable sentence for pydantic's first complaint, and the top-level field it concerns."""
+    first = errors[0]
+    kind = first.get("type")
+    if kind == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error")
+        return "the request body is not valid JSON" + (f" ({detail})" if detail else ""), None
+    path = _field_path(first)
+    param = str(path[0]) if path else None
+    where = ".".join(str(part) for part in path)
+    if kind == "missing":
+        return (f"missing required field '{where}'" if path else "the request needs a JSON object body"), param
+    if not path and kind == "model_attributes_type":
+        if isinstance(first.get("input"), (bytes, str)):
+            return "the request body must be a JSON object sent with Content-Type: application/json", None
+        return "the request body must be a JSON object", None
+    if _is_union_member(first):  # every member of a union failed: name the shapes accepted
+        expected = EXPECTED_SHAPES.get(str(path[-1]))
+        if expected:
+            return f"{where} must be {expected}", param
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return (f"{where}: {message}" if path else message), param
+
+
+def _field_path(error: dict[str, Any]) -> list[str | int]:
+    """The error's location without the leading 'body' and without pydantic's union member tags."""
+    return [part for part in error.get("loc", ())[1:] if not _is_union_tag(part)]
+
+
+def _is_union_tag(part: str | int) -> bool:
+    # pydantic names the union member it tried: 'str', 'list[int]', 'function-after[...]', 'none'
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part)
+
+
+def _is_union_member(error: dict[str, Any]) -> bool:
+    return any(_is_union_tag(part) for part in error.get("loc", ()))
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _describe_validation(list(exc.errors()))
+        return _error(400, message, param)
+
+    @app.exception_handler(ContextOverflowError)
+    async def too_long(request: Request, exc: ContextOverflowError) -> JSONResponse:
+        return _error(400, str(exc), "prompt", "context_length_exceeded")
+
+    @app.exception_handler(VerispecError)
+    async def user_mistake(request: Request, exc: VerispecError) -> JSONResponse:
+        return _error(400, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = (f"no such endpoint: {request.method} {request.url.path}; this server has GET /v1/models, "
+                       f"POST /v1/completions, POST /v1/chat/completions, GET /health and GET /metrics")
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        return _error(exc.status_code, message)
+
+    @app.exception_handler(MemoryError)
+    async def out_of_memory(request: Request, exc: MemoryError) -> JSONResponse:
+        return _error(503, "out of memory while decoding; try a shorter prompt or max_tokens")
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:  # a bug, not the user's doing
+        log.exception("error while answering %s %s", request.method, request.url.path)
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}")

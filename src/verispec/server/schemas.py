@@ -1,0 +1,137 @@
+"""Request bodies of the OpenAI-compatible API, validated by pydantic.
+
+Unknown fields are ignored, as OpenAI's own clients send many. Fields that
+would change the answer in ways verispec does not implement (n > 1, logprobs,
+penalties, tools, ...) are refused with a clear message rather than silently
+dropped; their neutral values (null, 0, false, 1, the default) are accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# field -> the values that ask for nothing beyond plain decoding
+NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}),
+    "min_tokens": (None, 0),
+    "tools": (None, []),
+    "functions": (None, []),
+    "response_format": (None, {"type": "text"}),
+}
+
+# what a field whose type is a union accepts, for error messages
+EXPECTED_SHAPES = {
+    "prompt": "a string, a list of token ids, or a list holding one of these",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of text parts",
+}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class DecodingRequest(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None  # any name is accepted; the served model answers
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM's extension; 0 or -1 turns it off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM's extension: decode past the end-of-text token
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int | None) -> int | None:
+        if n not in (None, 1):
+            raise ValueError(f"only n=1 is supported (verispec decodes one sequence per request), got {n}")
+        return n
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> "DecodingRequest":
+        for name, value in (self.model_extra or {}).items():
+            if name in NEUTRAL_VALUES and value not in NEUTRAL_VALUES[name]:
+                raise ValueError(f"{name}={value!r} is not supported by this server; leave it out")
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(DecodingRequest):
+    # text, token ids, or a batch of one of them
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, prompt):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ValueError(f"send one prompt per request, got a batch of {len(prompt)}")
+            return prompt[0]
+        return prompt
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates expect it: role and plain-text content."""
+        role = "system" if self.role == "developer" else self.role  # OpenAI's newer name for system
+        return {"role": role, "content": self.text()}
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        for part in self.content:
+            if part.type != "text":
+                raise ValueError(f"only text content is supported, got a {part.type!r} part")
+        return "".join(part.text or "" for part in self.content)
+
+
+class ChatCompletionRequest(DecodingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
+
+    @model_validator(mode="after")
+    def _text_only(self) -> "ChatCompletionRequest":
+        for message in self.messages:
+            message.text()  # raises for image or audio parts
+        return self
