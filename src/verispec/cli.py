@@ -12,6 +12,7 @@ from verispec.errors import VerispecError
 COMMAND_MODULES = [
     "verispec.commands.models",
     "verispec.commands.generate",
+    "verispec.commands.serve",
 ]
 
 
