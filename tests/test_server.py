@@ -1,0 +1,476 @@
+"""The OpenAI-compatible server on a tiny random model: answers equal `generate`, metrics, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from verispec.config import ModelConfig
+from verispec.errors import TokenizerMismatchError
+from verispec.generate import generate
+from verispec.loading import LoadedModel
+from verispec.loading.tokenizer import Tokenizer
+from verispec.models.dense import CausalLM
+from verispec.server import create_app
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CONTEXT = 96
+PROMPT = "def add(a, b):"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"}]
+
+
+def byte_tokenizer(extra_merge: tuple[str, str] | None = None, chat_template: str | None = CHAT_TEMPLATE
+                   ) -> Tokenizer:
+    """Byte-level BPE: the 256 bytes, optionally one merge, then three special tokens."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    merges = [extra_merge] if extra_merge else []
+    for left, right in merges:
+        vocab[left + right] = len(vocab)
+    backend = Backend(models.BPE(vocab, merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    eos_id = backend.token_to_id("<|im_end|>")
+    return Tokenizer(backend, {eos_id}, eos_token="<|im_end|>", chat_template=chat_template)
+
+
+def tiny_model(tokenizer: Tokenizer, seed: int = 0, name: str = "tiny") -> LoadedModel:
+    """A two-layer Qwen2-shaped model with large random weights (clear argmax winners, few near-ties)."""
+    config = ModelConfig(model_type="qwen2", vocab_size=tokenizer.vocab_size, hidden_size=64,
+                         intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=CONTEXT, attention_bias=True,
+                         eos_token_id=sorted(tokenizer.eos_ids))
+    torch.manual_seed(seed)
+    model = CausalLM(config)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "norm" not in param_name:
+                param.normal_(0.0, 0.2)
+    model.eval().requires_grad_(False)
+    return LoadedModel(name, Path(name), model, tokenizer, config, 0.0, torch.float32, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def target() -> LoadedModel:
+    return tiny_model(byte_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def client(target) -> TestClient:
+    return TestClient(create_app(target))
+
+
+@pytest.fixture(scope="module")
+def spec_client(target) -> TestClient:
+    """Speculative serving with the target as its own draft: every draft is kept."""
+    return TestClient(create_app(target, draft=target, gamma=3))
+
+
+def sse_payloads(response) -> list:
+    """The `data:` payloads of a server-sent event stream, [DONE] as the string."""
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    lines = [line for line in response.text.split("\n") if line]
+    assert all(line.startswith("data: ") for line in lines)
+    payloads = [line[len("data: "):] for line in lines]
+    assert payloads[-1] == "[DONE]"
+    return [json.loads(p) for p in payloads[:-1]] + ["[DONE]"]
+
+
+def metric(client: TestClient, name: str, **labels: str) -> float:
+    """The value of one sample of /metrics, found by name and labels (model_name may be left out)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            sample_labels = {k: v for k, v in sample.labels.items() if k != "model_name"}
+            if sample.name == name and sample_labels == labels:
+                return sample.value
+    raise AssertionError(f"no sample {name} {labels} in /metrics")
+
+
+# ---------------------------------------------------------------- answers
+
+
+def test_completion_equals_generate(client, target):
+    expected = generate(target, PROMPT, max_tokens=12, temperature=0)
+    response = client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 12,
+                                                    "temperature": 0})
+    assert response.status_code == 200
+    body = response.json()
+    assert body["object"] == "text_completion"
+    assert body["id"].startswith("cmpl-") and isinstance(body["created"], int)
+    assert body["model"] == "tiny"
+    [choice] = body["choices"]
+    assert choice["index"] == 0
+    assert choice["text"] == expected.text
+    assert choice["finish_reason"] == {"eos": "stop", "stop": "stop", "length": "length"}[expected.finish_reason]
+    assert body["usage"] == {"prompt_tokens": expected.prompt_tokens,
+                             "completion_tokens": len(expected.token_ids),
+                             "total_tokens": expected.prompt_tokens + len(expected.token_ids)}
+    assert body["usage"]["prompt_tokens"] == len(target.tokenizer.encode(PROMPT))
+    assert body["verispec"]["draft"] is None
+
+
+def test_token_id_prompt_equals_text_prompt(client, target):
+    ids = target.tokenizer.encode(PROMPT)
+    by_text = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0}).json()
+    by_ids = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 8, "temperature": 0}).json()
+    batch_of_one = client.post("/v1/completions", json={"prompt": [ids], "max_tokens": 8, "temperature": 0}).json()
+    assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"] == batch_of_one["choices"][0]["text"]
+    assert by_ids["usage"] == by_text["usage"]
+
+
+def test_any_model_name_is_accepted_and_the_served_name_answers(client):
+    body = client.post("/v1/completions", json={"model": "gpt-4o", "prompt": PROMPT, "max_tokens": 2}).json()
+    assert body["model"] == "tiny"
+
+
+def test_completion_stream_pieces_add_up(client, target):
+    expected = generate(target, PROMPT, max_tokens=16, temperature=0, ignore_eos=True)
+    response = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 16, "temperature": 0,
+                                                    "stream": True, "ignore_eos": True,
+                                                    "stream_options": {"include_usage": True}})
+    payloads = sse_payloads(response)
+    chunks, usage_chunk = payloads[:-2], payloads[-2]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected.text
+    assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == 16 == len(expected.token_ids)
+
+
+def test_stop_string_ends_the_text_before_it(client, target):
+    full = generate(target, PROMPT, max_tokens=16, temperature=0, ignore_eos=True).text
+    stop = full[5:7]
+    at = full.find(stop)
+    for stream in (False, True):
+        response = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 16, "temperature": 0,
+                                                        "stop": [stop], "stream": stream, "ignore_eos": True})
+        if stream:
+            chunks = sse_payloads(response)[:-1]
+            text = "".join(c["choices"][0]["text"] for c in chunks)
+            reason = chunks[-1]["choices"][0]["finish_reason"]
+        else:
+            text, reason = response.json()["choices"][0]["text"], response.json()["choices"][0]["finish_reason"]
+        assert text == full[:at]
+        assert reason == "stop"
+
+
+def test_chat_equals_generate_with_the_template(client, target):
+    expected = generate(target, MESSAGES, max_tokens=10, temperature=0)
+    body = client.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "max_tokens": 10,
+                                                     "temperature": 0}).json()
+    assert body["object"] == "chat.completion"
+    assert body["id"].startswith("chatcmpl-")
+    [choice] = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": expected.text}
+    assert body["usage"]["prompt_tokens"] == expected.prompt_tokens == len(target.tokenizer.encode_chat(MESSAGES))
+
+
+def test_chat_text_parts_and_developer_role(client, target):
+    plain = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 6, "temperature": 0})
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": "Say hi"}]}]
+    with_parts = client.post("/v1/chat/completions", json={"messages": parts, "max_tokens": 6, "temperature": 0})
+    assert with_parts.json()["choices"] == plain.json()["choices"]
+
+
+def test_chat_stream_deltas(client, target):
+    expected = generate(target, MESSAGES, max_tokens=12, temperature=0, ignore_eos=True)
+    response = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 12, "temperature": 0,
+                                                         "stream": True, "ignore_eos": True})
+    chunks = sse_payloads(response)[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == expected.text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["verispec"]["tokens_per_s"] >= 0
+
+
+def test_seeded_sampling_repeats(client):
+    request = {"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "top_p": 0.9, "seed": 7, "ignore_eos": True}
+    first = client.post("/v1/completions", json=request).json()["choices"][0]["text"]
+    second = client.post("/v1/completions", json=request).json()["choices"][0]["text"]
+    assert first == second
+
+
+# ---------------------------------------------------------------- speculative
+
+
+def test_speculative_equals_baseline(client, spec_client):
+    for stream in (False, True):
+        request = {"prompt": PROMPT, "max_tokens": 20, "temperature": 0, "ignore_eos": True, "stream": stream}
+        baseline, speculative = client.post("/v1/completions", json=request), spec_client.post(
+            "/v1/completions", json=request)
+        if stream:
+            texts = ["".join(c["choices"][0]["text"] for c in sse_payloads(r)[:-1]) for r in (baseline, speculative)]
+            assert texts[0] == texts[1]
+        else:
+            assert speculative.json()["choices"] == baseline.json()["choices"]
+            stats = speculative.json()["verispec"]
+            assert stats["draft"] == "tiny"
+            assert stats["acceptance_rate"] == 1.0  # the target drafting for itself
+            assert stats["tokens_per_pass"] > 1.0
+            assert stats["accepted"] == stats["drafted"] > 0
+            assert stats["target_passes"] < 20
+
+
+def test_ngram_draft_equals_baseline(client, target):
+    ngram_client = TestClient(create_app(target, draft="ngram", gamma=4))
+    request = {"prompt": "abcabcabcabc", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    speculative = ngram_client.post("/v1/completions", json=request).json()
+    assert speculative["choices"] == client.post("/v1/completions", json=request).json()["choices"]
+    assert speculative["verispec"]["draft"] == "ngram"
+
+
+def test_metrics_counters_move(target):
+    app_client = TestClient(create_app(target, draft=target, gamma=3, served_model_name="served"))
+    assert metric(app_client, "verispec:spec_decode_num_draft_tokens_total") == 0
+    assert metric(app_client, "verispec:request_success_total", finished_reason="length") == 0
+    body = app_client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 10, "temperature": 0,
+                                                    "ignore_eos": True}).json()
+    stats, usage = body["verispec"], body["usage"]
+    assert body["model"] == "served"
+    assert 'model_name="served"' in app_client.get("/metrics").text
+    assert metric(app_client, "verispec:spec_decode_num_draft_tokens_total") == stats["drafted"] > 0
+    assert metric(app_client, "verispec:spec_decode_num_accepted_tokens_total") == stats["accepted"]
+    assert metric(app_client, "verispec:spec_decode_num_target_passes_total") == stats["target_passes"]
+    drafts = metric(app_client, "verispec:spec_decode_num_drafts_total")
+    assert 0 < drafts <= stats["target_passes"] - 1
+    for position in range(3):  # every draft is kept when the target drafts for itself
+        assert metric(app_client, "verispec:spec_decode_num_accepted_tokens_per_pos_total",
+                      position=str(position)) == drafts
+        assert metric(app_client, "verispec:spec_decode_num_draft_tokens_per_pos_total",
+                      position=str(position)) == drafts
+    assert metric(app_client, "verispec:generation_tokens_total") == usage["completion_tokens"] == 10
+    assert metric(app_client, "verispec:prompt_tokens_total") == usage["prompt_tokens"]
+    assert metric(app_client, "verispec:request_success_total", finished_reason="length") == 1
+    # a streamed request counts too
+    app_client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 10, "temperature": 0,
+                                             "ignore_eos": True, "stream": True})
+    assert metric(app_client, "verispec:request_success_total", finished_reason="length") == 2
+    assert metric(app_client, "verispec:generation_tokens_total") == 20
+    assert metric(app_client, "verispec:num_requests_running") == 0
+
+
+def test_baseline_serving_leaves_the_speculative_counters_alone(client):
+    before = metric(client, "verispec:generation_tokens_total")
+    client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True})
+    assert metric(client, "verispec:generation_tokens_total") == before + 4
+    assert metric(client, "verispec:spec_decode_num_draft_tokens_total") == 0
+
+
+def test_models_and_health(client):
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    assert models["data"][0]["max_model_len"] == CONTEXT
+    assert client.get("/health").json()["status"] == "ok"
+
+
+# ---------------------------------------------------------------- mistakes
+
+
+def assert_error(response, status: int, *fragments: str) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    for fragment in fragments:
+        assert fragment in error["message"], error["message"]
+    return error
+
+
+@pytest.mark.parametrize("body,fragments,param", [
+    ({"max_tokens": 4}, ["missing", "prompt"], "prompt"),
+    ({"prompt": PROMPT, "max_tokens": -1}, ["max_tokens", "greater than or equal to 1"], "max_tokens"),
+    ({"prompt": PROMPT, "max_tokens": 0}, ["max_tokens"], "max_tokens"),
+    ({"prompt": PROMPT, "temperature": 2.5}, ["temperature", "less than or equal to 2"], "temperature"),
+    ({"prompt": PROMPT, "temperature": -0.1}, ["temperature"], "temperature"),
+    ({"prompt": PROMPT, "top_p": 0}, ["top_p", "greater than 0"], "top_p"),
+    ({"prompt": PROMPT, "n": 2}, ["only n=1"], "n"),
+    ({"prompt": PROMPT, "logprobs": 5}, ["logprobs", "not supported"], None),
+    ({"prompt": PROMPT, "presence_penalty": 0.5}, ["presence_penalty", "not supported"], None),
+    ({"prompt": [PROMPT, PROMPT]}, ["one prompt per request"], "prompt"),
+    ({"prompt": PROMPT, "stop": 5}, ["stop must be a string or a list of strings"], "stop"),
+    ({"prompt": 5}, ["prompt must be a string, a list of token ids"], "prompt"),
+    ({"prompt": ""}, ["prompt is empty"], None),
+    ({"prompt": [1, 99999]}, ["99999", "outside the model's vocabulary"], None),
+])
+def test_bad_completion_requests(client, body, fragments, param):
+    error = assert_error(client.post("/v1/completions", json=body), 400, *fragments)
+    assert error["param"] == param
+
+
+def test_neutral_values_of_unsupported_options_are_accepted(client):
+    body = {"prompt": PROMPT, "max_tokens": 2, "n": 1, "logprobs": None, "presence_penalty": 0,
+            "frequency_penalty": 0.0, "best_of": 1, "echo": False, "user": "someone", "stop": None}
+    assert client.post("/v1/completions", json=body).status_code == 200
+
+
+def test_bodies_that_are_not_a_json_object(client):
+    json_type = {"content-type": "application/json"}
+    assert_error(client.post("/v1/completions", content=b'{"prompt": "x", ', headers=json_type), 400, "not valid JSON")
+    assert_error(client.post("/v1/completions", content=b"[1, 2]", headers=json_type), 400, "must be a JSON object")
+    assert_error(client.post("/v1/completions"), 400, "needs a JSON object body")
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    assert_error(client.post("/v1/completions", content=b"prompt=x", headers=form), 400,
+                 "Content-Type: application/json")
+
+
+def test_json_without_a_content_type_is_read(client):
+    response = client.post("/v1/completions", content=json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode())
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_prompt_longer_than_the_context(client):
+    for stream in (False, True):
+        response = client.post("/v1/completions", json={"prompt": "x" * (CONTEXT + 10), "stream": stream})
+        error = assert_error(response, 400, f"maximum context length is {CONTEXT} tokens",
+                             f"the prompt has {CONTEXT + 10} tokens")
+        assert error["code"] == "context_length_exceeded"
+    messages = [{"role": "user", "content": "x" * CONTEXT}]
+    assert_error(client.post("/v1/chat/completions", json={"messages": messages}), 400, "maximum context length")
+
+
+@pytest.mark.parametrize("body,fragments", [
+    ({}, ["missing", "messages"]),
+    ({"messages": []}, ["messages"]),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, ["messages.0.role"]),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     ["only text content"]),
+    ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, ["tools", "not supported"]),
+    ({"messages": MESSAGES, "max_completion_tokens": -3}, ["max_completion_tokens"]),
+])
+def test_bad_chat_requests(client, body, fragments):
+    assert_error(client.post("/v1/chat/completions", json=body), 400, *fragments)
+
+
+def test_chat_without_a_template_is_a_clear_400():
+    plain = tiny_model(byte_tokenizer(chat_template=None))
+    response = TestClient(create_app(plain)).post("/v1/chat/completions", json={"messages": MESSAGES})
+    assert_error(response, 400, "no chat template", "/v1/completions")
+
+
+def test_unknown_endpoint_and_method(client):
+    assert_error(client.get("/v1/engines"), 404, "no such endpoint", "/v1/chat/completions")
+    assert_error(client.get("/v1/completions"), 405, "GET is not allowed")
+
+
+def test_server_still_answers_after_errors(client):
+    client.post("/v1/completions", json={"prompt": PROMPT, "n": 3})
+    client.post("/v1/completions", json={"prompt": "x" * 500, "stream": True})
+    assert client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}).status_code == 200
+
+
+# ---------------------------------------------------------------- one request at a time
+
+
+def test_requests_queue_for_the_model_while_health_and_metrics_answer(target):
+    import httpx
+
+    app = create_app(target)
+    engine = app.state.engine
+    request = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    waiting = 'verispec:num_requests_waiting{model_name="tiny"} 1.0'
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            async with engine.turn():  # the model is busy
+                queued = asyncio.create_task(http.post("/v1/completions", json=request))
+                metrics_text = ""
+                while waiting not in metrics_text:  # until the request has queued
+                    await asyncio.sleep(0.01)
+                    metrics_text = (await http.get("/metrics")).text
+                health = (await http.get("/health")).json()
+                assert not queued.done()
+            answer = await queued
+        return health, metrics_text, answer
+
+    health, metrics_text, answer = asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+    assert health["busy"] is True
+    assert 'verispec:num_requests_running{model_name="tiny"} 1.0' in metrics_text
+    assert answer.status_code == 200
+    assert answer.json()["choices"][0]["text"] == generate(target, PROMPT, max_tokens=6, temperature=0,
+                                                           ignore_eos=True).text
+    assert not engine.lock.locked()
+
+
+def test_a_client_leaving_mid_stream_frees_the_model(target):
+    from verispec.events import Token
+    from verispec.server.schemas import CompletionRequest
+
+    app = create_app(target)
+    engine = app.state.engine
+    job = engine.completion_job(CompletionRequest(prompt=PROMPT, max_tokens=40, ignore_eos=True))
+
+    async def leave_after_one_token():
+        events = engine.events(job)
+        first = await events.__anext__()
+        assert engine.lock.locked()
+        await events.aclose()
+        return first
+
+    assert isinstance(asyncio.run(leave_after_one_token()), Token)
+    assert not engine.lock.locked()
+    client = TestClient(app)
+    assert metric(client, "verispec:request_success_total", finished_reason="abort") == 1
+    assert metric(client, "verispec:generation_tokens_total") == 1
+    assert metric(client, "verispec:prompt_tokens_total") == len(job.prompt_ids)
+    assert metric(client, "verispec:num_requests_running") == 0
+    assert client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+# ---------------------------------------------------------------- start-up
+
+
+def test_draft_with_another_tokenizer_is_refused_at_start_up(target):
+    other = tiny_model(byte_tokenizer(extra_merge=("a", "b")), seed=1, name="other")
+    with pytest.raises(TokenizerMismatchError, match="does not match"):
+        create_app(target, draft=other)
+
+
+def test_serve_command_reports_a_tokenizer_mismatch(monkeypatch, capsys, target):
+    from verispec import cli
+    from verispec.commands import serve
+
+    other = tiny_model(byte_tokenizer(extra_merge=("a", "b")), seed=1, name="other")
+    monkeypatch.setattr(serve, "load_target_and_draft", lambda args: (target, other))
+    monkeypatch.setattr(serve, "check_port_free", lambda host, port: None)
+    assert cli.main(["serve", "--model", "tiny", "--draft", "other", "--port", "8123"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("verispec: error: the draft's tokenizer does not match")
+    assert "Traceback" not in err
+
+
+def test_serve_command_starts_uvicorn(monkeypatch, target):
+    from verispec import cli
+    from verispec.commands import serve
+
+    started = {}
+    monkeypatch.setattr(serve, "load_target_and_draft", lambda args: (target, args.draft))
+    monkeypatch.setattr(serve, "check_port_free", lambda host, port: None)
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: started.update(app=app, **kw))
+    assert cli.main(["serve", "--model", "tiny", "--draft", "ngram", "--gamma", "6", "--port", "8124"]) == 0
+    assert started["host"] == "127.0.0.1" and started["port"] == 8124
+    engine = started["app"].state.engine
+    assert (engine.draft_name, engine.gamma) == ("ngram", 6)
