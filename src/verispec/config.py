@@ -83,9 +83,10 @@ class ModelConfig:
         if model_type in ("qwen3", "qwen3_moe"):
             kwargs["qk_norm"] = True
         if model_type in ("qwen2", "qwen2_moe"):
-            kwargs.setdefault("attention_bias", True)
+            kwargs.setdefault("attention_bias", bool(data.get("qkv_bias", True)))
+        if "num_local_experts" in data:  # Mixtral, and Qwen3-MoE as transformers 5 saves it
+            kwargs.setdefault("num_experts", data["num_local_experts"])
         if model_type == "mixtral":
-            kwargs["num_experts"] = data.get("num_local_experts", 0)
             kwargs["moe_intermediate_size"] = data.get("intermediate_size", 0)
             kwargs["norm_topk_prob"] = True
         if "num_experts" in data and model_type == "qwen2_moe":

@@ -143,9 +143,11 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], vocab_row
         kwargs.update(
             num_experts=int(get("expert_count")),
             num_experts_per_tok=int(get("expert_used_count")),
-            moe_intermediate_size=int(get("expert_feed_forward_length", 0) or 0),
+            # Mixtral (llama with experts) has no expert width of its own: its experts are the FFN
+            moe_intermediate_size=int(get("expert_feed_forward_length", 0) or 0) or kwargs["intermediate_size"],
             shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length", 0) or 0),
-            norm_topk_prob=family == "qwen3_moe" or bool(get("expert_weights_norm", False)),
+            norm_topk_prob=family in ("qwen3_moe", "mixtral") or bool(get("expert_weights_norm", False)),
+            mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names],
         )
     return ModelConfig(**kwargs)
 
@@ -186,7 +188,7 @@ def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False
     config = config_from_metadata(meta, names, int(embed.shape[1]))
     state: dict[str, torch.Tensor] = {}
     quantized: dict[str, Any] = {}
-    permute = config.model_type in ("llama", "mistral")
+    permute = config.model_type in ("llama", "mistral", "mixtral")  # the 'llama' architecture
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:

@@ -13,11 +13,19 @@ def _dense(config: ModelConfig) -> nn.Module:
     return CausalLM(config)
 
 
+def _moe(config: ModelConfig) -> nn.Module:
+    from verispec.models.moe import MoeCausalLM
+    return MoeCausalLM(config)
+
+
 FAMILIES = {
     "llama": _dense,
     "mistral": _dense,
     "qwen2": _dense,
     "qwen3": _dense,
+    "qwen2_moe": _moe,
+    "qwen3_moe": _moe,
+    "mixtral": _moe,
 }
 
 
