@@ -18,11 +18,22 @@ def _moe(config: ModelConfig) -> nn.Module:
     return MoeCausalLM(config)
 
 
+def _hybrid(config: ModelConfig) -> nn.Module:
+    from verispec.models.qwen3_5 import HybridCausalLM
+    return HybridCausalLM(config)
+
+
 FAMILIES = {
     "llama": _dense,
     "mistral": _dense,
     "qwen2": _dense,
     "qwen3": _dense,
+    # hybrids: gated delta-net + gated attention (image-text checkpoints name their text part *_text)
+    "qwen3_5": _hybrid,
+    "qwen3_5_text": _hybrid,
+    "qwen3_5_moe": _hybrid,
+    "qwen3_5_moe_text": _hybrid,
+    "qwen3_next": _hybrid,
     "qwen2_moe": _moe,
     "qwen3_moe": _moe,
     "mixtral": _moe,
