@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -5,7 +6,14 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+@pytest.fixture(autouse=True)
+def _threads(request):
+    """Tiny models run fastest on one thread (thread start-up dwarfs their work); real ones use every core."""
+    real = request.node.get_closest_marker("real") is not None
+    torch.set_num_threads(os.cpu_count() if real else 1)
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,129 @@
+"""Every user mistake gets one clear message: from the API as a VerispecError, from the CLI as one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import tiny
+from verispec.cli import main
+from verispec.errors import (ContextOverflowError, CorruptModelError, ModelNotFoundError,
+                             UnsupportedArchitectureError)
+from verispec.generate import generate
+from verispec.loading import load_model
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    ref = tiny.save_hf_model(path, "qwen2", max_position_embeddings=64)
+    tiny.write_gguf(path / "model.gguf", ref, "qwen2")
+    return path
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse exits for bad option values
+        code = exc.code
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and "Traceback" not in out
+    return code, out, err
+
+
+def test_missing_path(capsys):
+    with pytest.raises(ModelNotFoundError, match="no model at"):
+        load_model("/nonexistent/model.gguf")
+    code, _, err = run_cli(capsys, "generate", "--model", "/nonexistent/model.gguf", "hi")
+    assert code == 1 and "no model at '/nonexistent/model.gguf'" in err
+
+
+def test_unknown_model_name_lists_the_demo_names(capsys):
+    code, _, err = run_cli(capsys, "generate", "--model", "qwen-9000", "hi")
+    assert code == 1 and "qwen2.5-coder-1.5b" in err
+
+
+def test_unsupported_architecture_is_named(tmp_path, folder, capsys):
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "gpt_neox"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitectureError, match="'gpt_neox' is not supported; supported: .*qwen2"):
+        load_model(tmp_path)
+
+
+def test_truncated_gguf(tmp_path, folder, capsys):
+    data = (folder / "model.gguf").read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(CorruptModelError, match="truncated"):
+        load_model(cut)
+    code, _, err = run_cli(capsys, "generate", "--model", str(cut), "hi")
+    assert code == 1 and "truncated" in err
+
+
+def test_garbage_gguf(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    with pytest.raises(CorruptModelError, match="not a readable GGUF"):
+        load_model(bad)
+
+
+def test_not_a_model_file(tmp_path):
+    other = tmp_path / "notes.txt"
+    other.write_text("hello")
+    with pytest.raises(CorruptModelError, match="neither a GGUF file nor a Hugging Face folder"):
+        load_model(other)
+
+
+def test_truncated_safetensors(tmp_path, folder):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((folder / name).read_bytes())
+    data = (folder / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CorruptModelError, match="corrupt or truncated safetensors"):
+        load_model(tmp_path)
+
+
+def test_missing_weights_are_named(tmp_path, folder):
+    from safetensors.torch import load_file, save_file
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((folder / name).read_bytes())
+    state = load_file(folder / "model.safetensors")
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(CorruptModelError, match="model.layers.1.mlp.up_proj.weight"):
+        load_model(tmp_path)
+
+
+def test_prompt_longer_than_context(folder, capsys):
+    model = load_model(folder)
+    with pytest.raises(ContextOverflowError, match="the model's context holds 64"):
+        generate(model, "x" * 100)
+    code, _, err = run_cli(capsys, "generate", "--model", str(folder), "x" * 100)
+    assert code == 1 and "shorten the prompt" in err
+
+
+def test_generation_stops_at_the_context_end(folder):
+    result = generate(load_model(folder), "x" * 60, max_tokens=50, ignore_eos=True)
+    assert len(result.token_ids) == 4 and result.finish_reason == "length"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--temperature", "-1"], "--temperature"),
+    (["--top-p", "1.5"], "--top-p"),
+    (["--max-tokens", "0"], "--max-tokens"),
+    (["--gamma", "x"], "--gamma"),
+    (["--weights", "int3"], "--weights"),
+])
+def test_bad_option_values(folder, capsys, argv, message):
+    code, _, err = run_cli(capsys, "generate", "--model", str(folder), *argv, "hi")
+    assert code == 2 and message in err
+
+
+def test_bad_dtype_and_device(folder):
+    from verispec.errors import VerispecError
+    with pytest.raises(VerispecError, match="unknown dtype"):
+        load_model(folder, dtype="float8")
+    with pytest.raises(VerispecError, match="device"):
+        load_model(folder, device="tpu")

@@ -1,0 +1,228 @@
+"""Speculative decoding never changes the answer: greedy equality, lossless sampling, stops, accounting."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import tiny
+from verispec.config import ModelConfig
+from verispec.errors import TokenizerMismatchError
+from verispec.events import Finished, Token
+from verispec.generate import generate, stream
+from verispec.loading import LoadedModel, load_model
+from verispec.models.dense import CausalLM
+from verispec.spec.prompt_lookup import PromptLookupProposer
+
+PROMPT = "the cat sat on the mat. the cat sat on the"
+GAMMAS = list(range(1, 17))
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("target")
+    tiny.save_hf_model(path, "qwen2", seed=1)
+    return load_model(path)
+
+
+@pytest.fixture(scope="module")
+def unrelated(tmp_path_factory):
+    path = tmp_path_factory.mktemp("draft")
+    tiny.save_hf_model(path, "llama", seed=2, num_hidden_layers=1)
+    return load_model(path)
+
+
+@pytest.fixture(scope="module")
+def baseline(target):
+    return generate(target, PROMPT, max_tokens=40, ignore_eos=True)
+
+
+def assert_accounting(result):
+    spec = result.spec
+    assert len(result.token_ids) == spec.accepted + spec.recovered + spec.bonus
+    assert spec.rounds == len(spec.gammas)  # one target pass per round
+    assert sum(spec.gammas) == spec.drafted
+    assert sum(spec.accepted_by_position) == spec.accepted
+    assert result.origins.count("draft") == spec.accepted
+    assert result.origins.count("recovered") == spec.recovered
+
+
+@pytest.mark.parametrize("gamma", GAMMAS)
+def test_draft_equal_to_target_keeps_every_draft(target, baseline, gamma):
+    result = generate(target, PROMPT, draft=target, gamma=gamma, max_tokens=40, ignore_eos=True)
+    assert result.token_ids == baseline.token_ids
+    assert result.spec.recovered == 0 and result.spec.acceptance_rate == 1.0
+    assert_accounting(result)
+
+
+@pytest.mark.parametrize("gamma", GAMMAS)
+def test_unrelated_draft_changes_nothing(target, unrelated, baseline, gamma):
+    result = generate(target, PROMPT, draft=unrelated, gamma=gamma, max_tokens=40, ignore_eos=True)
+    assert result.token_ids == baseline.token_ids
+    assert result.spec.acceptance_rate < 0.5 and result.spec.recovered > 0
+    assert_accounting(result)
+
+
+@pytest.mark.parametrize("gamma", GAMMAS)
+def test_prompt_lookup_changes_nothing(target, baseline, gamma):
+    result = generate(target, PROMPT, draft="ngram", gamma=gamma, max_tokens=40, ignore_eos=True)
+    assert result.token_ids == baseline.token_ids
+    assert result.spec.drafted > 0
+    assert_accounting(result)
+
+
+@pytest.mark.parametrize("policy", ["cost", "heuristic"])
+@pytest.mark.parametrize("draft_kind", ["self", "unrelated", "ngram"])
+def test_adaptive_gamma_changes_nothing(target, unrelated, baseline, policy, draft_kind):
+    draft = {"self": target, "unrelated": unrelated, "ngram": "ngram"}[draft_kind]
+    result = generate(target, PROMPT, draft=draft, gamma=4, adaptive=policy, max_tokens=40, ignore_eos=True)
+    assert result.token_ids == baseline.token_ids
+    assert len(set(result.spec.gammas[1:])) > 1  # γ really moved
+    assert_accounting(result)
+
+
+def test_prompt_lookup_finds_the_latest_match():
+    lookup = PromptLookupProposer(max_ngram=2)
+    assert lookup.lookup([1, 2, 3, 9, 1, 2, 4, 5, 1, 2], 3) == [4, 5, 1]
+    assert lookup.lookup([7, 8, 9], 3) == []
+
+
+def test_eos_inside_a_kept_run_ends_where_baseline_ends(target, baseline):
+    eos = baseline.token_ids[9]  # make a token the baseline emits the end-of-text token
+    first = baseline.token_ids.index(eos)
+    model = dataclasses.replace(target, tokenizer=_with_eos(target.tokenizer, eos))
+    plain = generate(model, PROMPT, max_tokens=40)
+    assert plain.token_ids == baseline.token_ids[:first] and plain.finish_reason == "eos"
+    for gamma in (3, 8, 16):
+        result = generate(model, PROMPT, draft=model, gamma=gamma, max_tokens=40)
+        assert result.token_ids == plain.token_ids and result.finish_reason == "eos"
+        assert_accounting(result)
+
+
+def _with_eos(tokenizer, eos):
+    clone = type(tokenizer).__new__(type(tokenizer))
+    clone.__dict__.update(tokenizer.__dict__)
+    clone.eos_ids = {eos}
+    return clone
+
+
+def test_stop_string_inside_a_kept_run(target, baseline):
+    stop = baseline.text[12:15]
+    plain = generate(target, PROMPT, max_tokens=40, ignore_eos=True, stop=[stop])
+    assert plain.finish_reason == "stop" and stop not in plain.text
+    assert plain.text == baseline.text[: baseline.text.index(stop)]
+    for gamma in (4, 16):
+        result = generate(target, PROMPT, draft=target, gamma=gamma, max_tokens=40, ignore_eos=True, stop=[stop])
+        assert result.text == plain.text and result.token_ids == plain.token_ids
+        assert_accounting(result)
+
+
+def test_streamed_text_never_shows_the_stop_string(target, baseline):
+    stop = baseline.text[12:15]
+    pieces, tail = [], None
+    for event in stream(target, PROMPT, draft=target, gamma=8, max_tokens=40, ignore_eos=True, stop=[stop]):
+        if isinstance(event, Token):
+            pieces.append(event.text)
+        else:
+            tail = event.tail
+    assert "".join(pieces) + tail == baseline.text[: baseline.text.index(stop)]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 17])
+def test_max_tokens_is_never_exceeded(target, baseline, max_tokens):
+    for draft in (target, "ngram"):
+        result = generate(target, PROMPT, draft=draft, gamma=16, max_tokens=max_tokens, ignore_eos=True)
+        assert result.token_ids == baseline.token_ids[:max_tokens]
+        assert result.finish_reason == "length"
+
+
+def test_mismatched_draft_tokenizer_is_refused(tmp_path, target):
+    from tokenizers import Tokenizer
+    tiny.save_hf_model(tmp_path, "qwen2", seed=3)
+    backend = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    vocab = backend.get_vocab()
+    raw = backend.to_str().replace('"a":', '"TMP":').replace('"b":', '"a":').replace('"TMP":', '"b":')
+    (tmp_path / "tokenizer.json").write_text(raw)
+    draft = load_model(tmp_path)
+    with pytest.raises(TokenizerMismatchError, match=rf"token id {vocab['a']} is 'a' for the target but 'b'"):
+        generate(target, PROMPT, draft=draft)
+
+
+def test_padded_draft_vocabulary_is_accepted(tmp_path, target, baseline):
+    tiny.save_hf_model(tmp_path, "qwen2", seed=4, vocab_size=tiny.VOCAB + 38)  # padding rows only
+    draft = load_model(tmp_path)
+    result = generate(target, PROMPT, draft=draft, gamma=4, max_tokens=40, ignore_eos=True)
+    assert result.token_ids == baseline.token_ids
+
+
+# ------------------------------------------------------------------ sampling is lossless
+
+def tiny_lm(vocab: int, seed: int) -> LoadedModel:
+    config = ModelConfig(model_type="qwen2", vocab_size=vocab, hidden_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, intermediate_size=32,
+                         max_position_embeddings=64)
+    torch.manual_seed(seed)
+    model = CausalLM(config)
+    tiny.randomize(model, seed, scale=0.25)
+    model.eval()
+    from verispec.loading.tokenizer import Tokenizer
+    tokenizer = Tokenizer(tiny.tiny_tokenizer(), eos_ids=set())
+    return LoadedModel("tiny", None, model, tokenizer, config, 0.0, torch.float32, torch.device("cpu"))
+
+
+def exact_distribution(model: LoadedModel, prompt: list[int], steps: int, params) -> dict[tuple, float]:
+    """P(first `steps` tokens) under plain sampling, by enumeration."""
+    from verispec.sampling import probabilities
+    dist = {(): 1.0}
+    for _ in range(steps):
+        grown = {}
+        for prefix, p in dist.items():
+            with torch.no_grad():
+                logits = model.model(torch.tensor([prompt + list(prefix)]), model.model.new_cache(16))[0, -1]
+            probs = probabilities(logits, params)
+            for token, q in enumerate(probs.tolist()):
+                if q > 0:
+                    grown[prefix + (token,)] = p * q
+        dist = grown
+    return dist
+
+
+def test_speculative_sampling_follows_the_target_distribution():
+    from scipy.stats import chisquare
+
+    from verispec.sampling import SamplingParams
+    options = dict(temperature=0.9, top_k=5, top_p=0.97)  # every warp, on both models
+    target, draft = tiny_lm(6, seed=10), tiny_lm(6, seed=11)
+    prompt = [1, 2, 3]
+    exact = exact_distribution(target, prompt, 3, SamplingParams(**options))
+    counts = dict.fromkeys(exact, 0)
+    samples = 20_000
+    generator_seed = 1234
+    for i in range(samples):
+        result = generate(target, prompt, draft=draft, gamma=2, max_tokens=3, seed=generator_seed + i, **options)
+        counts[tuple(result.token_ids)] += 1
+    # merge outcomes too rare for the chi-square approximation into one cell
+    common = [k for k, p in exact.items() if p * samples >= 5]
+    observed = [counts[k] for k in common] + [samples - sum(counts[k] for k in common)]
+    expected = [exact[k] * samples for k in common] + [samples * (1 - sum(exact[k] for k in common))]
+    assert len(common) >= 10
+    assert chisquare(observed, expected).pvalue > 0.01
+
+
+def test_verifier_alone_is_lossless_for_a_one_hot_draft():
+    """Prompt lookup has no probabilities: the draft counts as one-hot."""
+    from scipy.stats import chisquare
+
+    from verispec.sampling import SamplingParams
+    from verispec.spec.verifier import verify_sampling
+    logits = torch.tensor([[1.0, 0.5, -0.3, 0.2], [0.0, 0.1, 0.2, 0.3]])
+    params = SamplingParams(temperature=1.0)
+    gen = torch.Generator().manual_seed(0)
+    counts = [0] * 4
+    for _ in range(20_000):
+        verdict = verify_sampling(logits, [2], None, params, gen)
+        counts[2 if verdict.accepted else verdict.token] += 1
+    expected = torch.softmax(logits[0].double(), -1) * sum(counts)
+    assert chisquare(counts, expected.tolist()).pvalue > 0.01
