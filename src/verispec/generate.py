@@ -92,7 +92,7 @@ def make_proposer(draft, target, ngram: tuple[int, int] = (3, 1)) -> Proposer | 
         from verispec.spec.compat import check_tokenizers
         from verispec.spec.draft_model import DraftModelProposer
         check_tokenizers(target.tokenizer, draft.tokenizer)
-        return DraftModelProposer(draft)
+        return DraftModelProposer(draft, vocab_limit=target.config.vocab_size)
     if hasattr(draft, "propose"):
         return draft
     raise VerispecError(f"unknown draft {draft!r}: give a model, 'ngram', or a proposer")

@@ -18,8 +18,10 @@ class DraftModelProposer:
     together with the next round's first token.
     """
 
-    def __init__(self, loaded, name: str | None = None):
+    def __init__(self, loaded, name: str | None = None, vocab_limit: int | None = None):
         self.loaded = loaded
+        # never draft a padding row the target has no embedding for
+        self.vocab_limit = min(vocab_limit or loaded.config.vocab_size, loaded.config.vocab_size)
         self.model = loaded.model
         self.name = name or loaded.name
         self.cache = None
@@ -39,7 +41,7 @@ class DraftModelProposer:
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for i in range(gamma):
-            logits = self.model(feed, self.cache, last_only=True)[0, -1]
+            logits = self.model(feed, self.cache, last_only=True)[0, -1, :self.vocab_limit]
             if params.greedy:
                 token = int(logits.argmax())
             else:
