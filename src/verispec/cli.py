@@ -12,6 +12,8 @@ from verispec.errors import VerispecError
 COMMAND_MODULES = [
     "verispec.commands.models",
     "verispec.commands.generate",
+    "verispec.commands.calibrate",
+    "verispec.commands.explain",
     "verispec.commands.serve",
 ]
 

@@ -1,0 +1,293 @@
+"""The cost model's formulas, shapes and roofline; calibration; `verispec explain` and `verispec calibrate`."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import tiny
+from verispec.cli import main
+from verispec.config import ModelConfig
+from verispec.errors import VerispecError
+from verispec.lab import costmodel as cm
+from verispec.lab.calibrate import (CalibrationProfile, ModelTiming, load_profile, measure_bandwidth,
+                                    time_passes)
+from verispec.models import build_model
+
+# ---------------------------------------------------------------- formulas
+
+
+def test_expected_tokens_per_cycle_known_value():
+    assert cm.expected_tokens(0.8, 4) == pytest.approx(3.3616, abs=1e-12)
+    assert cm.expected_tokens(0.0, 7) == 1.0
+    assert cm.expected_tokens(1.0, 4) == 5.0
+
+
+@pytest.mark.parametrize("c", [0.01, 0.1, 0.4, 1.0])
+def test_no_acceptance_never_pays_when_the_draft_costs_anything(c):
+    for gamma in range(1, 33):
+        # r(m) = 1 is the most favourable verify pass there is
+        assert cm.predict_speedup(0.0, gamma, c, lambda m: 1.0) < 1.0
+    costs = cm.RooflineCosts(cm.model_preset("llama3.1-8b"), cm.model_preset("llama3.2-1b"),
+                             cm.hardware_preset("h200"))
+    assert costs.c > 0
+    assert all(cm.predict(costs, 0.0, g).speedup < 1.0 for g in range(1, 17))
+
+
+def test_distinct_experts_touched_by_a_verify_pass():
+    assert cm.expected_distinct_experts(128, 8, 9) == pytest.approx(56.4, abs=0.05)
+    assert cm.expected_distinct_experts(128, 8, 1) == pytest.approx(8.0)
+    assert 127 < cm.expected_distinct_experts(128, 8, 200) <= 128
+    assert cm.expected_distinct_experts(0, 0, 9) == 0.0
+
+
+def test_r_of_m_can_be_a_callable_a_sequence_or_a_mapping():
+    curve = [1.0, 1.3, 1.5, 1.9, 2.2]
+    by_callable = cm.predict_speedup(0.7, 4, 0.2, lambda m: curve[m - 1])
+    assert cm.predict_speedup(0.7, 4, 0.2, curve) == by_callable
+    assert cm.predict_speedup(0.7, 4, 0.2, {5: 2.2}) == by_callable
+    assert by_callable == pytest.approx(cm.expected_tokens(0.7, 4) / (4 * 0.2 + 2.2))
+    assert cm.predict_speedup(0.7, 0, 0.2, curve) == 1.0
+
+
+def test_alpha_is_estimated_from_judged_drafts_not_all_drafted():
+    # 3 rounds of γ = 4: kept 4 (bonus), kept 1 then rejected, rejected at once
+    assert cm.alpha_from_counts(accepted=5, rejected=2) == pytest.approx(5 / 7)
+    assert cm.alpha_from_counts(0, 0) == 0.0
+
+
+def test_best_gamma_grows_with_acceptance_on_a_cheap_verify_pass():
+    costs = cm.MeasuredCosts({m: 0.010 * (1 + 0.01 * (m - 1)) for m in range(1, 33)}, draft_step_s=0.001)
+    gammas = [cm.best_gamma(costs, alpha).gamma for alpha in (0.3, 0.6, 0.9, 0.97)]
+    assert gammas == sorted(gammas) and gammas[0] < gammas[-1]
+    assert cm.best_gamma(costs, 0.9).speedup > 2
+
+
+def test_weight_formats_count_their_scales():
+    assert cm.WEIGHT_FORMATS["float32"].bytes_per_weight == 4
+    assert cm.WEIGHT_FORMATS["bfloat16"].bytes_per_weight == 2
+    assert cm.WEIGHT_FORMATS["int4"].bytes_per_weight == pytest.approx(0.5 + 4 / 32)
+    assert cm.WEIGHT_FORMATS["q8_0"].bytes_per_weight == pytest.approx(34 / 32)
+    assert cm.WEIGHT_FORMATS["q4_k"].bytes_per_weight == pytest.approx(144 / 256)
+    assert 1 < cm.WEIGHT_FORMATS["int8"].bytes_per_weight < 1.01
+
+
+# ---------------------------------------------------------------- shapes
+
+
+def _parameter_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("family,overrides", [("qwen2", {}), ("qwen3", {}), ("llama", {"tie_word_embeddings": True})])
+def test_shapes_from_config_match_the_built_model(family, overrides):
+    config = ModelConfig.from_hf(tiny.hf_config(family, **overrides).to_dict())
+    with torch.device("meta"):
+        model = build_model(config)
+    shape = cm.shape_from_config(config)
+    assert shape.total_params == _parameter_count(model)
+    assert shape.attention_layers == config.num_hidden_layers
+    assert shape.kv_heads == config.num_key_value_heads
+
+
+def test_shapes_from_an_hf_folder_and_a_gguf_file_match_the_weights(tmp_path):
+    reference = tiny.save_hf_model(tmp_path / "hf", "qwen2", seed=1)
+    total = _parameter_count(reference)
+    from_folder = cm.shape_from_hf_folder(tmp_path / "hf")
+    assert from_folder.total_params == total
+    assert "safetensors headers" in from_folder.source
+    tiny.write_gguf(tmp_path / "tiny.gguf", reference, "qwen2")
+    from_gguf = cm.resolve_shape(str(tmp_path / "tiny.gguf"))
+    assert from_gguf.total_params == total
+    assert from_gguf.active_params == from_folder.active_params
+    assert (from_gguf.attention_layers, from_gguf.kv_heads, from_gguf.head_dim) == (2, 2, 16)
+
+
+def test_presets_have_the_sizes_their_names_say():
+    sizes = {  # name: (total, active) in billions, as published
+        "seed-35b-a3b": (35, 3), "seed-0.8b": (0.8, 0.8), "seed-4b": (4, 4), "seed-9b": (9, 9),
+        "qwen3-30b-a3b": (30.5, 3.3), "qwen2.5-coder-1.5b": (1.5, 1.5), "llama3.1-8b": (8, 8),
+    }
+    for name, (total, active) in sizes.items():
+        shape = cm.model_preset(name)
+        assert shape.total_params / 1e9 == pytest.approx(total, rel=0.15), name
+        assert shape.active_params / 1e9 == pytest.approx(active, rel=0.15), name
+    hybrid = cm.model_preset("seed-9b")
+    assert hybrid.attention_layers == 8 and hybrid.recurrent_state_bytes > 0
+
+
+def test_a_moe_verify_pass_reads_every_distinct_expert_it_touches():
+    shape = cm.model_preset("qwen3-30b-a3b")
+    fmt = cm.WEIGHT_FORMATS["bfloat16"]
+    extra = shape.weight_bytes(9, fmt) - shape.weight_bytes(1, fmt)
+    expected = shape.moe_layers * (cm.expected_distinct_experts(128, 8, 9) - 8) * shape.expert_params * 2
+    assert extra == pytest.approx(expected)
+    costs = cm.RooflineCosts(shape, cm.model_preset("qwen3-0.6b"), cm.hardware_preset("m2-ultra"))
+    assert costs.r(9) > 3  # ~56 of 128 experts against 8
+
+
+def test_a_dense_pass_stays_flat_until_the_ridge_point():
+    hardware = cm.Hardware("test", bandwidth=1e12, peak_flops=100e12)  # ridge 100 FLOP/byte
+    costs = cm.RooflineCosts(cm.model_preset("llama3.1-8b"), cm.model_preset("llama3.2-1b"), hardware,
+                             context=1)
+    assert costs.r(2) == pytest.approx(1.0, abs=0.01)
+    assert costs.pass_cost(costs.target, 2).bound == "memory"
+    # bf16: 1 FLOP per byte per position, so past ~100 positions the pass is compute-bound
+    assert costs.pass_cost(costs.target, 400).bound == "compute"
+    assert costs.r(400) > 3
+
+
+def test_measured_costs_interpolate_and_extrapolate():
+    costs = cm.MeasuredCosts({1: 1.0, 2: 1.5, 4: 2.5}, draft_step_s=0.25)
+    assert costs.c == 0.25
+    assert costs.r(3) == pytest.approx(2.0)
+    assert costs.r(6) == pytest.approx(3.5)  # along the last slope
+    with pytest.raises(VerispecError):
+        cm.MeasuredCosts({2: 1.0}, draft_step_s=0.1)
+
+
+def test_bad_hardware_is_refused():
+    with pytest.raises(VerispecError, match="bandwidth"):
+        cm.Hardware("bad", bandwidth=-1, peak_flops=1e12)
+    with pytest.raises(VerispecError, match="unknown hardware preset"):
+        cm.hardware_preset("pdp-11")
+    with pytest.raises(VerispecError, match="unknown model preset"):
+        cm.model_preset("gpt-9")
+
+
+# ---------------------------------------------------------------- explain
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_explain_the_seed_setting_at_almost_no_acceptance(capsys):
+    code = main(["explain", "--target", "seed-35b-a3b", "--draft", "seed-0.8b", "--hardware", "m2-ultra",
+                 "--alpha", "0.002"])
+    out = _flat(capsys.readouterr().out)
+    assert code == 0
+    assert "at α = 0.002: speed-up < 1 for every γ" in out
+    # the reason, in one sentence: a cycle yields ~1 token and costs more than one target step
+    reason = out[out.index("At α = 0.002"):]
+    assert reason.count(". ") == 0 and reason.endswith(".")
+    assert "yields 1.00 token(s)" in reason and "target steps" in reason
+    costs = cm.RooflineCosts(cm.model_preset("seed-35b-a3b"), cm.model_preset("seed-0.8b"),
+                             cm.hardware_preset("m2-ultra"))
+    assert all(cm.predict(costs, 0.002, g).speedup < 1 for g in (1, 2, 4, 8, 16))
+
+
+def test_explain_prints_the_pass_costs_and_the_grid(capsys):
+    assert main(["explain", "--target", "qwen3-30b-a3b", "--draft", "qwen3-0.6b", "--bandwidth", "800",
+                 "--flops", "27"]) == 0
+    out = capsys.readouterr().out
+    for text in ("weights GB", "experts", "t(m) ms", "predicted speed-up", "best γ", "c = "):
+        assert text in out
+    assert "56.4" in out  # distinct experts at m = 9
+    assert "800.0 GB/s" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--target", "no-such-model", "--draft", "seed-0.8b"], "neither a model file"),
+    (["--target", "seed-9b", "--draft", "seed-0.8b", "--profile", "/nonexistent/profile.json"],
+     "no calibration profile"),
+    (["--target", "seed-9b", "--draft", "seed-0.8b", "--bandwidth", "-800"], "--bandwidth must be a positive"),
+    (["--target", "seed-9b", "--draft", "seed-0.8b", "--flops", "0"], "--flops must be a positive"),
+])
+def test_explain_bad_inputs_are_one_line_errors(capsys, argv, message):
+    assert main(["explain", *argv]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("verispec: error:") and message in err
+    assert "Traceback" not in err
+
+
+def test_a_damaged_profile_is_a_clear_error(tmp_path, capsys):
+    bad = tmp_path / "profile.json"
+    bad.write_text("{not json")
+    assert main(["explain", "--target", "seed-9b", "--draft", "seed-0.8b", "--profile", str(bad)]) == 1
+    assert "not a JSON calibration profile" in capsys.readouterr().err
+    bad.write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(VerispecError, match="not a verispec calibration profile"):
+        load_profile(bad)
+
+
+def test_explain_rejects_an_acceptance_outside_zero_one(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["explain", "--target", "seed-9b", "--draft", "seed-0.8b", "--alpha", "1.5"])
+    assert exit_info.value.code == 2
+    assert "acceptance rate in [0, 1]" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- calibration
+
+
+def _tiny_model(vocab: int = 16384, hidden: int = 256) -> torch.nn.Module:
+    config = ModelConfig(model_type="qwen2", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=4 * hidden,
+                         max_position_embeddings=512)
+    model = build_model(config)
+    tiny.randomize(model, seed=0)
+    return model.eval()
+
+
+def test_time_passes_gives_a_sane_verify_cost_curve():
+    model = _tiny_model()
+    positions = [1, 4, 16, 64]  # spaced widely, so that a busy machine's noise cannot reorder them
+    seconds = time_passes(model, positions, context=16, repeats=5)
+    r = ModelTiming("tiny", "float32", 16, positions, seconds).r
+    assert r[0] == 1.0
+    assert all(math.isfinite(x) and x > 0.5 for x in r)
+    assert all(later > 0.85 * earlier for earlier, later in zip(r, r[1:]))  # monotone, give or take noise
+    assert r[-1] > 2  # 64 rows through a 16384-word output layer cost more than one
+
+
+def test_time_passes_leaves_the_cache_where_it_found_it():
+    model = _tiny_model(vocab=512, hidden=64)
+    calls = []
+    original = model.forward
+
+    def spy(tokens, cache, last_only=False):
+        calls.append(cache.length)
+        return original(tokens, cache, last_only)
+
+    model.forward = spy
+    time_passes(model, [1, 3], context=5, repeats=2)
+    assert calls[0] == 0 and set(calls[1:]) == {5}  # every timed pass starts after the same context
+
+
+def test_bandwidth_is_measured_in_bytes_per_second():
+    copy_bw, read_bw = measure_bandwidth(size_bytes=8 * 2**20, repeats=2)
+    assert 1e8 < copy_bw < 1e13 and 1e8 < read_bw < 1e13
+
+
+def test_profile_round_trip(tmp_path):
+    profile = CalibrationProfile({"processor": "test"}, 2e10, 1.9e10, 1e11,
+                                 ModelTiming("t", "float32", 64, [1, 2, 3], [0.1, 0.15, 0.18], 10),
+                                 ModelTiming("d", "float32", 64, [1, 2], [0.03, 0.05], 3))
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    loaded = load_profile(path)
+    assert loaded == profile
+    costs = loaded.costs()
+    assert costs.c == pytest.approx(0.3)
+    assert costs.r(3) == pytest.approx(1.8)
+    assert loaded.hardware().bandwidth == 1.9e10
+
+
+def test_calibrate_command_on_a_tiny_model_then_explain_with_it(tmp_path, capsys):
+    folder = tmp_path / "tiny-qwen2"
+    tiny.save_hf_model(folder, "qwen2", seed=2)
+    out_file = tmp_path / "profile.json"
+    assert main(["calibrate", "--model", str(folder), "--draft", str(folder), "--max-m", "4", "--repeats", "2",
+                 "--context", "8", "--buffer-mib", "8", "--out", str(out_file)]) == 0
+    printed = capsys.readouterr().out
+    assert "r(m)" in printed and "c = t_draft(1) / t_target(1)" in printed
+    profile = load_profile(out_file)
+    assert profile.target.positions == [1, 2, 3, 4]
+    assert profile.target.r[0] == 1.0 and profile.c > 0
+    assert profile.machine["cores"] >= 1 and profile.machine["torch"] == torch.__version__
+    assert main(["explain", "--target", str(folder), "--draft", str(folder), "--profile", str(out_file)]) == 0
+    assert "measured in" in capsys.readouterr().out
