@@ -372,3 +372,141 @@ def test_speculation_on_other_hybrid_targets_changes_nothing(saved, baselines, t
         assert result.spec.recovered == 0
     else:
         assert ["recovered"] in rounds
+
+
+# ------------------------------------------------------------------ GGUF, as llama.cpp's converter writes it
+
+def _tile_value_heads(t: torch.Tensor, axis: int, key_heads: int, per_key: int, head_size: int) -> torch.Tensor:
+    """llama.cpp's Qwen3.5 reorder: value heads grouped per key head -> tiled."""
+    dims = list(t.shape)
+    grouped = t.reshape(*dims[:axis], key_heads, per_key, head_size, *dims[axis + 1:])
+    return grouped.transpose(axis, axis + 1).reshape(dims)
+
+
+def llama_cpp_tensors(hf_model, arch: str) -> dict[str, torch.Tensor]:
+    """The converter's tensors for a transformers hybrid model (convert_hf_to_gguf.py, Qwen3Next / Qwen3.5)."""
+    cfg = hf_model.config
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
+    keys = 2 * hk * dk
+    tile = arch != "qwen3next" and hk != hv
+    block = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+             "self_attn.k_norm": "attn_k_norm", "linear_attn.in_proj_qkv": "attn_qkv",
+             "linear_attn.in_proj_z": "attn_gate", "linear_attn.in_proj_b": "ssm_beta",
+             "linear_attn.in_proj_a": "ssm_alpha", "linear_attn.in_proj_ba": "ssm_ba",
+             "linear_attn.conv1d": "ssm_conv1d", "linear_attn.norm": "ssm_norm",
+             "linear_attn.out_proj": "ssm_out", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+             "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+             "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+    out: dict[str, torch.Tensor] = {}
+    for name, value in hf_model.state_dict().items():
+        value = value.detach().float().clone()
+        if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            value = value + 1
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            out[{"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm",
+                 "lm_head.weight": "output"}[name] + ".weight"] = value
+            continue
+        parts = name.split(".")
+        layer, module = parts[2], ".".join(parts[3:-1])
+        if name.endswith("mlp.experts.gate_up_proj"):  # transformers' in-memory layout: [E, 2I, H]
+            gate, up = value.chunk(2, dim=1)
+            out[f"blk.{layer}.ffn_gate_exps.weight"] = gate.contiguous()
+            out[f"blk.{layer}.ffn_up_exps.weight"] = up.contiguous()
+            continue
+        if name.endswith("mlp.experts.down_proj"):
+            out[f"blk.{layer}.ffn_down_exps.weight"] = value
+            continue
+        if module == "linear_attn" and parts[-1] in ("A_log", "dt_bias"):
+            if tile:
+                value = _tile_value_heads(value[:, None], 0, hk, r, 1)[:, 0]
+            out[f"blk.{layer}." + ("ssm_a" if parts[-1] == "A_log" else "ssm_dt.bias")] = (
+                -value.exp() if parts[-1] == "A_log" else value)
+            continue
+        if module == "linear_attn.in_proj_qkvz":  # [q k v z] per key head -> all q, all k, all v; and z
+            grouped = value.T.reshape(-1, hk, 2 * dk + 2 * r * dv)
+            q, k, v, z = grouped.split([dk, dk, r * dv, r * dv], dim=-1)
+            flat = [t.reshape(value.shape[1], -1) for t in (q, k, v, z)]
+            out[f"blk.{layer}.attn_qkv.weight"] = torch.cat(flat[:3], dim=-1).T.contiguous()
+            out[f"blk.{layer}.attn_gate.weight"] = flat[3].T.contiguous()
+            continue
+        if module == "linear_attn.conv1d":
+            value = value.squeeze(1)
+        if tile and module in ("linear_attn.in_proj_qkv", "linear_attn.conv1d"):
+            value = torch.cat([value[:keys], _tile_value_heads(value[keys:], 0, hk, r, dv)])
+        elif tile and module == "linear_attn.in_proj_z":
+            value = _tile_value_heads(value, 0, hk, r, dv)
+        elif tile and module in ("linear_attn.in_proj_b", "linear_attn.in_proj_a"):
+            value = _tile_value_heads(value, 0, hk, r, 1)
+        elif tile and module == "linear_attn.out_proj":
+            value = _tile_value_heads(value, 1, hk, r, dv)
+        out[f"blk.{layer}.{block[module]}.{parts[-1]}"] = value
+    return out
+
+
+def write_hybrid_gguf(path: Path, hf_model, arch: str) -> None:
+    import gguf
+
+    cfg = hf_model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(getattr(cfg, "intermediate_size", 0) or 0)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"]))
+    if getattr(cfg, "num_experts", 0):
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    writer.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(cfg.linear_key_head_dim)
+    writer.add_ssm_group_count(cfg.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+    writer.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    writer.add_full_attention_interval(4)
+    for name, value in llama_cpp_tensors(hf_model, arch).items():
+        writer.add_tensor(name, value.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("family, arch", [("qwen3_5_moe", "qwen35moe"), ("qwen3_next", "qwen3next")])
+def test_gguf_tensors_map_back_to_the_checkpoint(saved, tmp_path, monkeypatch, family, arch):
+    """A file laid out as llama.cpp's converter writes it loads to the same logits as the folder."""
+    import dataclasses
+
+    from verispec.loading import gguf_file
+    from verispec.models import build_model
+    from verispec.models.qwen3_5 import gguf_config_fields, gguf_tensor_to_hf
+
+    _, hf, ours = saved[family]
+    path = tmp_path / "model.gguf"
+    write_hybrid_gguf(path, hf, arch)
+    reader = gguf_file.open_reader(path)
+    meta = gguf_file.metadata(reader)
+    monkeypatch.setitem(gguf_file.GGUF_ARCHITECTURES, arch, family)
+    names = {t.name for t in reader.tensors}
+    config = gguf_file.config_from_metadata(meta, names, tiny.VOCAB)
+    config = dataclasses.replace(config, **gguf_config_fields(meta, arch))
+    state = {}
+    for tensor in reader.tensors:
+        state.update(gguf_tensor_to_hf(tensor.name, gguf_file.dequantize(tensor), config))
+    model = build_model(config)
+    model.load_state_dict(model.sanitize(state), strict=True)
+    ids = random_ids(12, seed=9)
+    with torch.inference_mode():
+        got = model(ids, model.new_cache(16))
+        expected = ours.model(ids, ours.model.new_cache(16))
+    assert (got - expected).abs().max() <= STATE_TOL

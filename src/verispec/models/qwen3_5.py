@@ -315,6 +315,123 @@ def _ungroup_qwen3_next(qkvz: torch.Tensor, ba: torch.Tensor, shape: DeltaNetSha
     dk, dv = shape.key_dim, shape.value_dim
     hidden = qkvz.shape[-1]
     q, k, v, z = qkvz.view(hk, 2 * dk + 2 * r * dv, hidden).split([dk, dk, r * dv, r * dv], dim=1)
-    b, a = ba.view(hk, 2 * r, hidden).split([r, r], dim=1)
-    flat = [t.reshape(-1, hidden) for t in (q, k, v, z, b, a)]
-    return [torch.cat(flat[:3]), *flat[3:]]
+    q, k, v, z = (t.reshape(-1, hidden) for t in (q, k, v, z))
+    return [torch.cat([q, k, v]), z, *_ungroup_qwen3_next_ba(ba, shape)]
+
+
+def _ungroup_qwen3_next_ba(ba: torch.Tensor, shape: DeltaNetShape) -> tuple[torch.Tensor, torch.Tensor]:
+    r = shape.value_heads // shape.key_heads
+    b, a = ba.view(shape.key_heads, 2 * r, -1).split([r, r], dim=1)
+    return b.reshape(shape.value_heads, -1), a.reshape(shape.value_heads, -1)
+
+
+# ---------------------------------------------------------------- GGUF (llama.cpp's converter, inverted)
+
+GGUF_ARCHITECTURES = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe", "qwen3next": "qwen3_next"}
+
+_GGUF_BLOCK = {
+    "attn_norm": "input_layernorm.weight",
+    "post_attention_norm": "post_attention_layernorm.weight",
+    "attn_q": "self_attn.q_proj.weight",
+    "attn_k": "self_attn.k_proj.weight",
+    "attn_v": "self_attn.v_proj.weight",
+    "attn_output": "self_attn.o_proj.weight",
+    "attn_q_norm": "self_attn.q_norm.weight",
+    "attn_k_norm": "self_attn.k_norm.weight",
+    "attn_qkv": "linear_attn.in_proj_qkv.weight",
+    "attn_gate": "linear_attn.in_proj_z.weight",
+    "ssm_beta": "linear_attn.in_proj_b.weight",
+    "ssm_alpha": "linear_attn.in_proj_a.weight",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_dt": "linear_attn.dt_bias",
+    "ssm_conv1d": "linear_attn.conv1d.weight",
+    "ssm_norm": "linear_attn.norm.weight",
+    "ssm_out": "linear_attn.out_proj.weight",
+    "ffn_gate": "mlp.gate_proj.weight",
+    "ffn_up": "mlp.up_proj.weight",
+    "ffn_down": "mlp.down_proj.weight",
+    "ffn_gate_inp": "mlp.gate.weight",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj.weight",
+}
+_GGUF_TOP = {"token_embd": "model.embed_tokens.weight", "output_norm": "model.norm.weight",
+             "output": "lm_head.weight"}
+# llama.cpp stores the (1 + weight) norms with the 1 added
+_ONE_ADDED = {"attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm", "output_norm"}
+# per-value-head tensors Qwen3.5 files keep in llama.cpp's tiled head order: (dimension, head size)
+_TILED = {"attn_gate": (0, "value"), "ssm_beta": (0, 1), "ssm_alpha": (0, 1), "ssm_a": (0, 1),
+          "ssm_dt": (0, 1), "ssm_out": (1, "value")}
+_GGUF_NAME = re.compile(r"blk\.(\d+)\.([a-z0-9_]+)(?:\.(weight|bias))?")
+
+
+def gguf_config_fields(meta: dict, arch: str) -> dict:
+    """The ModelConfig fields these architectures need beyond the common GGUF keys."""
+
+    def get(key: str, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    value_heads = int(get("ssm.time_step_rank"))
+    extra = {"linear_conv_kernel_dim": int(get("ssm.conv_kernel")),
+             "linear_key_head_dim": int(get("ssm.state_size")),
+             "linear_num_key_heads": int(get("ssm.group_count")),
+             "linear_num_value_heads": value_heads,
+             "linear_value_head_dim": int(get("ssm.inner_size")) // value_heads,
+             "full_attention_interval": int(get("full_attention_interval", 4))}
+    return {"extra": extra, "norm_topk_prob": True}  # llama.cpp renormalises these experts' top-k weights
+
+
+def gguf_tensor_to_hf(gguf_name: str, value: torch.Tensor, config: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """One dequantised GGUF tensor -> Hugging Face name(s) and layout; [] for tensors the text model lacks.
+
+    Undoes llama.cpp's conversion: the 1 added to (1 + weight) norms, A stored as
+    -exp(A_log), the conv kernel's squeezed axis, and in Qwen3.5 files the value
+    heads reordered from grouped-per-key-head to tiled. Qwen3-Next's ssm_ba keeps
+    the per-key-head grouping of in_proj_ba and is split here.
+    """
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _GGUF_TOP and suffix == "weight":
+        return [(_GGUF_TOP[base], value - 1 if base in _ONE_ADDED else value)]
+    match = _GGUF_NAME.fullmatch(gguf_name)
+    if match is None:
+        return []
+    layer, part, _ = match.groups()
+    prefix = f"model.layers.{layer}."
+    shape = delta_net_shape(config)
+    if part == "ssm_ba":
+        b, a = _ungroup_qwen3_next_ba(value, shape)
+        return [(prefix + "linear_attn.in_proj_b.weight", b), (prefix + "linear_attn.in_proj_a.weight", a)]
+    if part not in _GGUF_BLOCK:
+        return []
+    if part in _ONE_ADDED:
+        value = value - 1
+    elif part == "ssm_a":
+        value = torch.log(-value)
+    elif part == "ssm_conv1d":
+        value = value.unsqueeze(1)
+    if config.model_type.startswith("qwen3_5") and shape.value_heads != shape.key_heads:
+        value = _untile(part, value, shape)
+    return [(prefix + _GGUF_BLOCK[part], value)]
+
+
+def _untile(part: str, value: torch.Tensor, shape: DeltaNetShape) -> torch.Tensor:
+    """Value heads from llama.cpp's tiled order [v0 of each key head, v1 of each, ...] back to grouped."""
+    if part in ("attn_qkv", "ssm_conv1d"):  # q and k rows (channels) first, then the value heads
+        keys = 2 * shape.key_heads * shape.key_dim
+        return torch.cat([value[:keys], _untile_axis(value[keys:], 0, shape, shape.value_dim)])
+    if part not in _TILED:
+        return value
+    axis, size = _TILED[part]
+    return _untile_axis(value, axis, shape, shape.value_dim if size == "value" else size)
+
+
+def _untile_axis(value: torch.Tensor, axis: int, shape: DeltaNetShape, head_size: int) -> torch.Tensor:
+    per_key = shape.value_heads // shape.key_heads
+    dims = list(value.shape)
+    tiled = value.reshape(*dims[:axis], per_key, shape.key_heads, head_size, *dims[axis + 1:])
+    return tiled.transpose(axis, axis + 1).reshape(dims)
