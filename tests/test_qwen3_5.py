@@ -510,3 +510,51 @@ def test_gguf_tensors_map_back_to_the_checkpoint(saved, tmp_path, monkeypatch, f
         got = model(ids, model.new_cache(16))
         expected = ours.model(ids, ours.model.new_cache(16))
     assert (got - expected).abs().max() <= STATE_TOL
+
+
+# ------------------------------------------------------------------ the lab
+
+def test_synthetic_acceptance_sweep_on_a_hybrid_moe_target_audits_valid(saved, tmp_path, monkeypatch):
+    """Every row of a sweep over synthetic acceptance rates passes the audit.
+
+    Outputs and counts are the engine's own. Time is modelled: each target pass over
+    m positions costs (1 + (m - 1) / 20) ms, so the physics rules judge what the engine
+    did (one target pass per round, no token without one), not a shared machine's noise.
+    """
+    sweep = pytest.importorskip("verispec.lab.sweep")
+    from types import SimpleNamespace
+
+    import verispec.generate as engine
+    from verispec.lab import audit
+    from verispec.lab.records import read_records
+
+    clock = [0.0]
+    monkeypatch.setattr(engine, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def advance(module, args) -> None:
+        clock[0] += 1e-3 * (1 + (args[0].shape[1] - 1) / 20)
+
+    load_for_bench = sweep.load_for_bench
+
+    def timed_load(spec, weights=None, device="cpu"):
+        loaded = load_for_bench(spec, weights, device)
+        loaded.model.register_forward_pre_hook(advance)
+        return loaded
+
+    monkeypatch.setattr(sweep, "load_for_bench", timed_load)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Write a function that adds two numbers.\nTell me about cats.\n")
+    config = sweep.sweep_config_from_dict({
+        "targets": [str(saved["qwen3_5_moe"][0])], "proposers": ["synthetic:0", "synthetic:0.5", "synthetic:1"],
+        "gammas": [2, 8], "prompts": [str(prompts)], "max_tokens": 16, "repeats": 1, "warmup": False,
+        "out": str(tmp_path / "sweep.jsonl")})
+    sweep.run_sweep(config)
+    records = read_records(config.out)
+    assert len(records) == 2 * (1 + 3 * 2)  # prompts x (baseline + proposers x gammas)
+    assert [r["audit"]["status"] for r in records] == [audit.VALID] * len(records)
+    by_rate = defaultdict(list)
+    for r in records:
+        if r["spec"]:
+            by_rate[r["proposer"]].append(r["spec"]["acceptance_rate"])
+    assert by_rate["synthetic:1"] == [1.0] * 4 and by_rate["synthetic:0"] == [0.0] * 4
+    assert all(0 < rate < 1 for rate in by_rate["synthetic:0.5"])
