@@ -25,7 +25,8 @@ kept positions, about the work the verify pass itself spent on the state; rollin
 back to the current length (everything kept) or to the commit point costs nothing.
 The alternative, keeping the state after every position of a pass, costs no replay
 but writes T full states per pass of T positions (T x 2 MiB per layer for a
-Qwen3.5-9B layer, 32 heads of 128 x 128) against one.
+Qwen3.5-9B layer, 32 heads of 128 x 128) against one. benchmarks/hybrid_rollback.py
+measures the rollback against a step and a verify pass.
 
 What cannot be rolled back is refused with RollbackError: positions before the last
 commit point, and positions inside a pass longer than `replay_window` tokens (a long
