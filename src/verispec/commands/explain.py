@@ -87,7 +87,7 @@ def _measured_costs(profile, roofline):
 def run(args) -> int:
     from rich.console import Console
 
-    from verispec.lab.costmodel import RooflineCosts, resolve_shape
+    from verispec.lab.costmodel import ALPHAS, RooflineCosts, resolve_shape
 
     console = Console(highlight=False)
     hardware, profile = _hardware(args)
@@ -95,17 +95,17 @@ def run(args) -> int:
                              args.weights, args.draft_weights, args.context)
     measured = _measured_costs(profile, roofline)
     print_models(console, roofline)
+    if profile is not None and measured is None:
+        timed = " and ".join(f"{t.model} ({t.weights})" for t in (profile.target, profile.draft) if t) or "no models"
+        console.print(f"[dim]the profile timed {timed}, not this pair: using the roofline at its measured "
+                      f"bandwidth and FLOP/s[/dim]")
     print_passes(console, roofline, measured)
     costs = measured or roofline
     source = f"measured in {args.profile}" if measured else f"roofline on {hardware.name}"
-    print_predictions(console, costs, source, sorted(set(ALPHAS_SHOWN) | set(args.alpha)))
+    print_predictions(console, costs, source, sorted(set(ALPHAS) | set(args.alpha)))
     for alpha in args.alpha:
         print_alpha(console, costs, alpha)
     return 0
-
-
-ALPHAS_SHOWN = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9)
-GAMMAS_SHOWN = (1, 2, 4, 8, 16)
 
 
 def print_models(console, roofline) -> None:
@@ -165,26 +165,26 @@ def print_passes(console, roofline, measured) -> None:
 def print_predictions(console, costs, source: str, alphas) -> None:
     from rich.table import Table
 
-    from verispec.lab.costmodel import best_gamma, predict
+    from verispec.lab.costmodel import GAMMAS, best_gamma, predict
 
     baseline = 1.0 / costs.target_step_s
     speedups = Table(title=f"predicted speed-up ({source})")
     rates = Table(title=f"predicted tok/s; the target alone: {baseline:,.2f} tok/s")
     for table in (speedups, rates):
         table.add_column("α", justify="right")
-        for gamma in GAMMAS_SHOWN:
+        for gamma in GAMMAS:
             table.add_column(f"γ={gamma}", justify="right")
     speedups.add_column("best γ (1..16)", justify="right")
     for alpha in alphas:
-        predictions = [predict(costs, alpha, gamma) for gamma in GAMMAS_SHOWN]
+        predictions = [predict(costs, alpha, gamma) for gamma in GAMMAS]
         best = best_gamma(costs, alpha)
         speedups.add_row(f"{alpha:g}", *(_styled(p.speedup, f"{p.speedup:.2f}×") for p in predictions),
                          f"{best.gamma} ({best.speedup:.2f}×)" if best.speedup >= 1 else "none (γ = 0)")
         rates.add_row(f"{alpha:g}", *(_styled(p.speedup, f"{p.speculative_tps:,.2f}") for p in predictions))
     console.print(speedups)
     console.print(rates)
-    console.print(f"[dim]c = {costs.c:.3f}; "
-                  + ", ".join(f"r({g + 1}) = {costs.r(g + 1):.2f}" for g in GAMMAS_SHOWN) + "[/dim]")
+    console.print(f"[dim]c = {costs.c:.3f}, draft r(2) = {costs.draft_r2:.2f}; "
+                  + ", ".join(f"r({g + 1}) = {costs.r(g + 1):.2f}" for g in GAMMAS) + "[/dim]")
 
 
 def _styled(speedup: float, text: str) -> str:

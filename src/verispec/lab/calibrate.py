@@ -203,7 +203,8 @@ class CalibrationProfile:
         if self.target is None or self.draft is None:
             raise VerispecError("this profile has no target and draft timings; "
                                 "run `verispec calibrate --model T --draft D --out profile.json`")
-        return MeasuredCosts(dict(zip(self.target.positions, self.target.seconds)), self.draft.t(1))
+        two = self.draft.t(2) if 2 in self.draft.positions else None
+        return MeasuredCosts(dict(zip(self.target.positions, self.target.seconds)), self.draft.t(1), two)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"format": PROFILE_FORMAT, **asdict(self)}

@@ -19,8 +19,11 @@ Costs come either from that roofline (`RooflineCosts`, from model shapes and a
 
 The API the lab uses:
 
-    predict_speedup(alpha, gamma, c, r_of_m) -> float
+    predict_speedup(alpha, gamma, c, r_of_m, draft_r2=1.0) -> float
         r_of_m: a callable m -> r(m), a sequence [r(1), r(2), ...] or a mapping {m: r(m)}.
+        draft_r2 = t_draft(2) / t_draft(1): after a fully kept round (probability α^γ)
+        verispec's draft feeds the last draft and the bonus token together, so that
+        step costs a two-position pass; 1.0 gives the textbook γ·c.
     predict(costs, alpha, gamma) -> Prediction (baseline and speculative tok/s, speed-up)
     alpha_from_counts(accepted, rejected) -> α
         SpecStats.acceptance_rate (accepted / drafted) is not α: after the first
@@ -42,22 +45,29 @@ from verispec.errors import VerispecError
 from verispec.spec.gamma import expected_tokens
 
 __all__ = [
-    "expected_tokens", "speedup", "predict_speedup", "expected_distinct_experts", "alpha_from_counts",
+    "expected_tokens", "draft_cost", "speedup", "predict_speedup", "expected_distinct_experts", "alpha_from_counts",
     "WeightFormat", "WEIGHT_FORMATS", "ModelShape", "shape_from_config", "Hardware", "HARDWARE",
     "MODEL_PRESETS", "model_preset", "hardware_preset", "shape_from_gguf", "shape_from_hf_folder",
     "shape_from_loaded", "resolve_shape", "PassCost", "RooflineCosts", "MeasuredCosts",
     "Prediction", "predict", "best_gamma", "slowdown_reason",
 ]
 
+# the grid `verispec explain` prints
 ALPHAS = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9)
 GAMMAS = (1, 2, 4, 8, 16)
 
 
 # ---------------------------------------------------------------- the formulas
 
-def speedup(alpha: float, gamma: int, c: float, r_next: float) -> float:
+def draft_cost(alpha: float, gamma: int, c: float, draft_r2: float = 1.0) -> float:
+    """Expected drafting cost of a cycle in target steps: γ·c, with the first step a
+    two-position pass after a fully kept round (probability α^γ)."""
+    return c * (gamma + alpha ** gamma * (draft_r2 - 1.0))
+
+
+def speedup(alpha: float, gamma: int, c: float, r_next: float, draft_r2: float = 1.0) -> float:
     """Speed-up of one cycle over plain decoding, given r(γ+1) as a number."""
-    return expected_tokens(alpha, gamma) / (gamma * c + r_next)
+    return expected_tokens(alpha, gamma) / (draft_cost(alpha, gamma, c, draft_r2) + r_next)
 
 
 def _r_lookup(r_of_m: Callable[[int], float] | Sequence[float] | Mapping[int, float]) -> Callable[[int], float]:
@@ -69,11 +79,12 @@ def _r_lookup(r_of_m: Callable[[int], float] | Sequence[float] | Mapping[int, fl
 
 
 def predict_speedup(alpha: float, gamma: int, c: float,
-                    r_of_m: Callable[[int], float] | Sequence[float] | Mapping[int, float]) -> float:
+                    r_of_m: Callable[[int], float] | Sequence[float] | Mapping[int, float],
+                    draft_r2: float = 1.0) -> float:
     """E[tokens per cycle] / (γ·c + r(γ+1)); γ = 0 is plain decoding (1.0)."""
     if gamma == 0:
         return 1.0
-    return speedup(alpha, gamma, c, _r_lookup(r_of_m)(gamma + 1))
+    return speedup(alpha, gamma, c, _r_lookup(r_of_m)(gamma + 1), draft_r2)
 
 
 def expected_distinct_experts(num_experts: int, top_k: int, positions: int) -> float:
@@ -531,13 +542,16 @@ class PassCost:
 
 
 class Costs(Protocol):
-    """What a prediction needs: the target's step time, c and r(m)."""
+    """What a prediction needs: the target's step time, c, the draft's r(2) and the target's r(m)."""
 
     @property
     def target_step_s(self) -> float: ...
 
     @property
     def c(self) -> float: ...
+
+    @property
+    def draft_r2(self) -> float: ...
 
     def r(self, positions: int) -> float: ...
 
@@ -583,6 +597,12 @@ class RooflineCosts:
             return 0.0
         return self.pass_cost(self.draft, 1).seconds / self.target_step_s
 
+    @property
+    def draft_r2(self) -> float:
+        if self.draft is None:
+            return 1.0
+        return self.pass_cost(self.draft, 2).seconds / self.pass_cost(self.draft, 1).seconds
+
     def r(self, positions: int) -> float:
         return self.t_target(positions) / self.target_step_s
 
@@ -593,6 +613,7 @@ class MeasuredCosts:
 
     target_s: Mapping[int, float]  # m -> seconds of one target pass over m positions
     draft_step_s: float
+    draft_two_s: float | None = None  # the draft's pass over two positions, when measured
 
     def __post_init__(self) -> None:
         if 1 not in self.target_s:
@@ -605,6 +626,10 @@ class MeasuredCosts:
     @property
     def c(self) -> float:
         return self.draft_step_s / self.target_step_s
+
+    @property
+    def draft_r2(self) -> float:
+        return self.draft_two_s / self.draft_step_s if self.draft_two_s and self.draft_step_s else 1.0
 
     def t_target(self, positions: int) -> float:
         """Measured, interpolated between measured sizes, or extrapolated along the last slope."""
@@ -635,10 +660,16 @@ class Prediction:
     alpha: float
     gamma: int
     expected_tokens: float  # per cycle
-    cycle_cost: float  # in target steps: γ·c + r(γ+1)
+    draft_cost: float  # in target steps: γ·c (see draft_cost)
+    r_next: float  # r(γ+1)
     speedup: float
     baseline_tps: float
     speculative_tps: float
+
+    @property
+    def cycle_cost(self) -> float:
+        """A cycle's cost in target steps: γ·c + r(γ+1)."""
+        return self.draft_cost + self.r_next
 
 
 def predict(costs: Costs, alpha: float, gamma: int) -> Prediction:
@@ -648,10 +679,12 @@ def predict(costs: Costs, alpha: float, gamma: int) -> Prediction:
         raise VerispecError(f"γ must be >= 0, got {gamma}")
     baseline = 1.0 / costs.target_step_s
     if gamma == 0:
-        return Prediction(alpha, 0, 1.0, 1.0, 1.0, baseline, baseline)
+        return Prediction(alpha, 0, 1.0, 0.0, 1.0, 1.0, baseline, baseline)
     tokens = expected_tokens(alpha, gamma)
-    cost = gamma * costs.c + costs.r(gamma + 1)
-    return Prediction(alpha, gamma, tokens, cost, tokens / cost, baseline, baseline * tokens / cost)
+    drafting = draft_cost(alpha, gamma, costs.c, getattr(costs, "draft_r2", 1.0))
+    r_next = costs.r(gamma + 1)
+    rate = tokens / (drafting + r_next)
+    return Prediction(alpha, gamma, tokens, drafting, r_next, rate, baseline, baseline * rate)
 
 
 def best_gamma(costs: Costs, alpha: float, max_gamma: int = 16) -> Prediction:
@@ -665,8 +698,10 @@ def slowdown_reason(costs: Costs, prediction: Prediction) -> str | None:
         return None
     g, m = prediction.gamma, prediction.gamma + 1
     sentence = (f"At α = {prediction.alpha:g} a cycle of γ = {g} yields {prediction.expected_tokens:.2f} "
-                f"token(s) on average but costs γ·c + r(γ+1) = {g}×{costs.c:.3f} + {costs.r(m):.2f} = "
-                f"{prediction.cycle_cost:.2f} target steps, so it runs at {prediction.speedup:.2f}× the target alone")
+                f"token(s) on average but costs γ·c + r(γ+1) = {prediction.draft_cost:.2f} + "
+                f"{prediction.r_next:.2f} = {prediction.cycle_cost:.2f} target steps ({g} draft step(s) at "
+                f"c = {costs.c:.3f}, then a verify pass over {m} positions), so it runs at "
+                f"{prediction.speedup:.2f}× the target alone")
     if isinstance(costs, RooflineCosts) and costs.target.is_moe:
         shape = costs.target
         sentence += (f", and its verify pass over {m} positions touches ~{shape.distinct_experts(m):.0f} of "

@@ -1,0 +1,203 @@
+"""Check the cost model against measured speculative decoding on this machine.
+
+1. Calibrate the target's verify-cost curve r(m) and the draft's c on the loaded pair,
+   at a context as long as the runs below will see on average.
+2. Decode Spec-Bench's coding prompts (first turn, chat template, greedy) with the target
+   alone and speculatively for each γ, interleaved prompt by prompt so that a change in
+   machine load hits every configuration alike.
+3. From each γ's measured acceptance α = accepted / (accepted + rejections), predict the
+   speed-up E[tokens per cycle] / (γ·c + r(γ+1)) and compare it with the measured one
+   (speculative tok/s over the target's tok/s in the same run). The draft's cost counts
+   its two-position first step after a fully kept round (draft r(2)); the textbook
+   γ·c is shown beside it.
+
+The real numbers (a quiet machine, about an hour on 2 cores):
+
+    .venv/bin/python benchmarks/costmodel_check.py --limit 5 --max-tokens 128 --out results/costmodel_check.json
+
+A quick proof that it runs:
+
+    .venv/bin/python benchmarks/costmodel_check.py --target smollm2-135m --draft smollm2-135m \\
+        --limit 1 --max-tokens 16 --gammas 2 --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from verispec.generate import encode_prompt, generate
+from verispec.lab.calibrate import load_average, machine_facts, time_model
+from verispec.lab.costmodel import MeasuredCosts, alpha_from_counts, draft_cost, expected_tokens, predict_speedup
+from verispec.loading import load_model
+
+QUESTIONS = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+TOLERANCE = 0.15
+
+
+@dataclass
+class Totals:
+    """Sums over prompts for one configuration (γ = 0 is the target alone)."""
+
+    gamma: int
+    tokens: int = 0  # tokens after the first, the ones decode_s covers
+    decode_s: float = 0.0
+    rounds: int = 0  # target passes after the prefill
+    accepted: int = 0
+    recovered: int = 0
+    bonus: int = 0
+    drafted: int = 0
+    identical: list[bool] = field(default_factory=list)  # output equals the target alone, per prompt
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.decode_s if self.decode_s else 0.0
+
+    def add(self, result, reference_ids: list[int] | None) -> None:
+        self.tokens += len(result.token_ids) - 1
+        self.decode_s += result.timings.decode_s
+        if result.spec is not None:
+            spec = result.spec
+            self.rounds += spec.rounds - 1
+            self.accepted += spec.accepted
+            self.recovered += spec.recovered
+            self.bonus += spec.bonus
+            self.drafted += spec.drafted
+        if reference_ids is not None:
+            self.identical.append(result.token_ids == reference_ids)
+
+
+def coding_prompts(path: Path, limit: int) -> list[str]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    prompts = [row["turns"][0] for row in rows if row.get("category") == "coding"]
+    if not prompts:
+        sys.exit(f"no coding prompts in {path}")
+    return prompts[:limit]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--weights", default=None, help="target weight format (default: the engine's, float32)")
+    parser.add_argument("--draft-weights", default=None, help="draft weight format (default: the engine's)")
+    parser.add_argument("--gammas", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--limit", type=int, default=5, help="coding prompts to run (Spec-Bench has 10)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per calibrated size")
+    parser.add_argument("--questions", type=Path, default=QUESTIONS)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="write the raw results here as JSON")
+    return parser.parse_args(argv)
+
+
+def calibrate_pair(target, draft, max_m: int, context: int, repeats: int) -> tuple[MeasuredCosts, dict]:
+    timing = time_model(target, range(1, max_m + 1), context, repeats)
+    draft_timing = time_model(draft, [1, 2], context, repeats, last_only=True)
+    costs = MeasuredCosts(dict(zip(timing.positions, timing.seconds)), draft_timing.t(1), draft_timing.t(2))
+    return costs, {"target": asdict(timing), "draft": asdict(draft_timing), "c": costs.c}
+
+
+def run_all(target, draft, prompts: list[str], gammas: list[int], max_tokens: int) -> dict[int, Totals]:
+    totals = {g: Totals(g) for g in [0, *gammas]}
+    options = dict(max_tokens=max_tokens, temperature=0.0, chat=True)
+    for gamma in totals:  # warm-up: first calls allocate buffers and pick kernels
+        generate(target, prompts[0], draft=draft if gamma else None, gamma=gamma, **{**options, "max_tokens": 4})
+    for index, prompt in enumerate(prompts):
+        reference = generate(target, prompt, **options)
+        totals[0].add(reference, None)
+        for gamma in gammas:
+            result = generate(target, prompt, draft=draft, gamma=gamma, **options)
+            totals[gamma].add(result, reference.token_ids)
+        print(f"  prompt {index + 1}/{len(prompts)}: {len(reference.token_ids)} tokens", flush=True)
+    return totals
+
+
+def compare(totals: dict[int, Totals], costs: MeasuredCosts) -> list[dict]:
+    baseline = totals[0].tokens_per_s
+    rows = []
+    for gamma, t in totals.items():
+        if gamma == 0:
+            continue
+        alpha = alpha_from_counts(t.accepted, t.recovered)
+        measured = t.tokens_per_s / baseline
+        predicted = predict_speedup(alpha, gamma, costs.c, costs.r, costs.draft_r2)
+        per_round = (t.tokens / t.rounds) if t.rounds else 0.0
+        cycle = draft_cost(alpha, gamma, costs.c, costs.draft_r2) + costs.r(gamma + 1)
+        rows.append({
+            "gamma": gamma, "alpha": alpha, "acceptance_rate": t.accepted / t.drafted if t.drafted else 0.0,
+            "tokens_per_round": per_round, "expected_tokens": expected_tokens(alpha, gamma),
+            "r_next": costs.r(gamma + 1), "c": costs.c, "draft_r2": costs.draft_r2,
+            "baseline_tps": baseline, "speculative_tps": t.tokens_per_s,
+            "measured_speedup": measured, "predicted_speedup": predicted,
+            "predicted_textbook": predict_speedup(alpha, gamma, costs.c, costs.r),
+            # the same costs with the measured tokens per round instead of E(α): separates the
+            # acceptance model's error from the cost model's
+            "predicted_from_tokens_per_round": per_round / cycle,
+            "relative_error": predicted / measured - 1, "within_tolerance": abs(predicted / measured - 1) <= TOLERANCE,
+            "identical_to_target": all(t.identical),
+        })
+    return rows
+
+
+def print_table(rows: list[dict], baseline_tps: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"predicted vs measured speed-up (target alone {baseline_tps:.2f} tok/s)")
+    for column in ("γ", "α", "tokens/round", "E(α)", "c", "r(γ+1)", "spec tok/s", "measured", "predicted",
+                   "error", f"within {TOLERANCE:.0%}", "textbook γ·c", "same output"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(str(row["gamma"]), f"{row['alpha']:.3f}", f"{row['tokens_per_round']:.2f}",
+                      f"{row['expected_tokens']:.2f}", f"{row['c']:.3f}", f"{row['r_next']:.2f}",
+                      f"{row['speculative_tps']:.2f}", f"{row['measured_speedup']:.2f}×",
+                      f"{row['predicted_speedup']:.2f}×", f"{row['relative_error']:+.1%}",
+                      "yes" if row["within_tolerance"] else "NO", f"{row['predicted_textbook']:.2f}×",
+                      "yes" if row["identical_to_target"] else "NO")
+    Console(highlight=False, width=max(Console().width, 130)).print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    load_before = load_average()
+    if load_before is not None and load_before > 0.5 * (os.cpu_count() or 1):
+        print(f"warning: load average {load_before:.1f} on {os.cpu_count()} cores; timings will be noisy", flush=True)
+    print(f"loading {args.target} and {args.draft}", flush=True)
+    target = load_model(args.target, weights=args.weights)
+    draft = load_model(args.draft, weights=args.draft_weights)
+    prompts = coding_prompts(args.questions, args.limit)
+    prompt_lengths = [len(encode_prompt(target.tokenizer, p, chat=True)) for p in prompts]
+    context = int(statistics.median(prompt_lengths) + args.max_tokens / 2)  # the average context while decoding
+    print(f"calibrating r(m) for m = 1..{max(args.gammas) + 1} and c at a context of {context} tokens", flush=True)
+    costs, calibration = calibrate_pair(target, draft, max(args.gammas) + 1, context, args.repeats)
+    print(f"  c = {costs.c:.3f}, draft r(2) = {costs.draft_r2:.2f}; " + ", ".join(f"r({g + 1}) = {costs.r(g + 1):.2f}" for g in args.gammas), flush=True)
+    print(f"decoding {len(prompts)} coding prompt(s), {args.max_tokens} tokens, γ = 0 (target alone), "
+          f"{', '.join(map(str, args.gammas))}", flush=True)
+    totals = run_all(target, draft, prompts, args.gammas, args.max_tokens)
+    rows = compare(totals, costs)
+    print_table(rows, totals[0].tokens_per_s)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({
+            "command": " ".join(sys.argv), "machine": machine_facts(), "load_average_before": load_before, "target": target.name, "draft": draft.name,
+            "weights": [target.weights, draft.weights], "prompts": len(prompts), "max_tokens": args.max_tokens,
+            "calibration": calibration, "totals": {g: asdict(t) for g, t in totals.items()}, "rows": rows,
+            "wall_s": time.perf_counter() - started}, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
