@@ -23,7 +23,7 @@ one matrix `linear_attn.in_proj` (rows q, k, v, z, b, a: one read of the weights
 step). `sanitize` builds it from Qwen3.5's in_proj_qkv/_z/_b/_a, or from Qwen3-Next's
 in_proj_qkvz/_ba, whose rows are grouped per key head. It also reads image-text
 checkpoints (weights under `model.language_model.`, vision and MTP weights dropped),
-expert weights in any layout moe.py knows, and GGUF names (see gguf_to_hf).
+expert weights in any layout moe.py knows, and llama.cpp's GGUF layout (gguf_tensor_to_hf).
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from verispec.models.hybrid_cache import DeltaNetShape, HybridCache, PassRecord,
 from verispec.models.moe import MoeCausalLM, SparseMoeBlock, is_sparse_layer
 
 LINEAR, FULL = "linear_attention", "full_attention"
-FAMILIES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 
 
 def layer_types(config: ModelConfig) -> list[str]:
@@ -225,7 +224,8 @@ class HybridCausalLM(CausalLM):
                                     f"{shape.key_heads} key heads evenly")
         layers, slots = [], {LINEAR: 0, FULL: 0}
         for i, kind in enumerate(kinds):
-            mixer = GatedDeltaNet(config, shape, slots[kind]) if kind == LINEAR else GatedAttention(config, slots[kind])
+            slot = slots[kind]
+            mixer = GatedDeltaNet(config, shape, slot) if kind == LINEAR else GatedAttention(config, slot)
             slots[kind] += 1
             layers.append(HybridDecoderLayer(config, mixer, _mlp(config, i)))
         super().__init__(config, layers)
