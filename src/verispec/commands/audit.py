@@ -1,0 +1,42 @@
+"""`verispec audit FILE`: the physics and accounting rules applied to results from any tool."""
+
+from __future__ import annotations
+
+from verispec.commands.options import probability
+
+
+def register(sub) -> None:
+    parser = sub.add_parser("audit", help="check reported speed-ups against physics and their own counts",
+                            description="FILE is CSV or JSONL with the columns baseline_tok_s, spec_tok_s, gamma, "
+                                        "acceptance (a fraction) and, where known, model_bytes (bytes read per "
+                                        "pass; for a mixture of experts at least the active weights) and "
+                                        "bandwidth_gb_s. Exits 1 when any row fails.")
+    parser.add_argument("file", help="CSV or JSONL of reported results")
+    parser.add_argument("--slack", type=probability, default=0.10,
+                        help="timing noise allowed above a physical bound before a row is IMPOSSIBLE")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+
+    from verispec.lab.audit import IMPOSSIBLE, audit_row, read_rows
+
+    console = Console(highlight=False)
+    rows = read_rows(args.file)
+    failed = 0
+    for number, row in enumerate(rows, 1):
+        name = str(row.get("label") or f"row {number}")
+        verdict = audit_row(row, name, args.slack)
+        failed += not verdict.valid
+        style = "green" if verdict.valid else ("bold red" if verdict.status == IMPOSSIBLE else "red")
+        speedup = float(row["spec_tok_s"]) / float(row["baseline_tok_s"])
+        console.print(f"{escape(name)}: γ = {row['gamma']}, {row['baseline_tok_s']} → {row['spec_tok_s']} tok/s "
+                      f"({speedup:.2f}x) at acceptance {row['acceptance']}: [{style}]{verdict.status}[/{style}]")
+        console.print(f"  {escape(verdict.reason)}", style="dim" if verdict.valid else None)
+    if failed:
+        console.print(f"[bold red]{failed} of {len(rows)} row(s) fail the audit[/bold red]")
+    else:
+        console.print(f"[green]all {len(rows)} row(s) pass[/green]")
+    return 1 if failed else 0

@@ -1,0 +1,323 @@
+"""Audits: a speculative result counts only if it passes three checks.
+
+output      under greedy decoding the speculative output equals the target's own,
+            token for token. The one excuse is a numerical tie: a pass over several
+            positions may round differently from a single-position step, so where the
+            target's top two logits at the first differing position are within float
+            tolerance, the run is VALID (tie) and the margin is kept.
+accounting  tokens = accepted + recovered + bonus, and target passes = rounds.
+physics     a target pass keeps at most the drafts it accepts plus one token of its own
+            and costs at least one plain step, so the speed-up cannot exceed
+            1 + γ·acceptance; nor can a token take less time than reading the bytes one
+            pass must read at the machine's bandwidth, shared by the tokens of a pass.
+
+The physics rules flag only what is impossible: byte counts are lower bounds (a
+mixture-of-experts pass reads at least the active experts), and measured ratios
+may exceed a bound by `slack` (timing noise) before they are called impossible.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from verispec.errors import VerispecError
+
+VALID = "VALID"
+TIE = "VALID (tie)"
+INVALID = "INVALID"
+IMPOSSIBLE = "IMPOSSIBLE"
+_SEVERITY = {VALID: 0, TIE: 1, INVALID: 2, IMPOSSIBLE: 3}
+
+DEFAULT_SLACK = 0.10  # how far a measured ratio may exceed a physical bound before it is impossible
+# relative tolerance of a logit tie, by the dtype the target computes in (times the top logit's size);
+# float32 passes over 1 and many positions differ by ~2e-6 of the top logit on this project's CPUs
+_TIE_RTOL = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 2e-2}
+
+REQUIRED_COLUMNS = ("baseline_tok_s", "spec_tok_s", "gamma", "acceptance")
+
+
+@dataclass
+class Verdict:
+    status: str = VALID
+    reason: str = ""
+    margin: float | None = None  # top-two logit gap at the first difference, when there is one
+
+    @property
+    def valid(self) -> bool:
+        return self.status in (VALID, TIE)
+
+    @property
+    def severity(self) -> int:
+        return _SEVERITY[self.status]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> "Verdict":
+        data = data or {}
+        return cls(data.get("status", VALID), data.get("reason", ""), data.get("margin"))
+
+
+def worst(verdicts: Iterable[Verdict]) -> Verdict:
+    """The most severe status, with the reasons of every verdict of that status (all of them when all pass)."""
+    verdicts = list(verdicts)
+    if not verdicts:
+        return Verdict(VALID, "nothing to check")
+    severity = max(v.severity for v in verdicts)
+    chosen = [v for v in verdicts if v.severity == severity or (severity <= _SEVERITY[TIE])]
+    status = next(v.status for v in verdicts if v.severity == severity)
+    margins = [v.margin for v in chosen if v.margin is not None]
+    return Verdict(status, "; ".join(v.reason for v in chosen if v.reason), min(margins) if margins else None)
+
+
+# ---------------------------------------------------------------- output
+
+
+def first_difference(expected: Sequence[int], got: Sequence[int]) -> int | None:
+    """Index of the first differing token (or where the shorter ends); None when identical."""
+    for index, (a, b) in enumerate(zip(expected, got)):
+        if a != b:
+            return index
+    return None if len(expected) == len(got) else min(len(expected), len(got))
+
+
+def check_output(baseline_ids: Sequence[int], spec_ids: Sequence[int],
+                 margin_at: Callable[[int], tuple[float, float]] | None = None) -> Verdict:
+    """Speculative output against the target alone; `margin_at(i)` gives (top-two gap, tolerance) at token i."""
+    at = first_difference(baseline_ids, spec_ids)
+    if at is None:
+        return Verdict(VALID, f"output identical to the target alone ({len(spec_ids)} tokens)")
+    where = (f"differs from the target alone at token {at} "
+             f"({_token_at(baseline_ids, at)} alone vs {_token_at(spec_ids, at)} speculative)")
+    if margin_at is None:
+        return Verdict(INVALID, where)
+    margin, tolerance = margin_at(at)
+    if margin <= tolerance:
+        return Verdict(TIE, f"{where}, where the target's top two logits are {margin:.2g} apart: "
+                            f"a tie within float tolerance {tolerance:.2g}", margin)
+    return Verdict(INVALID, f"{where}; the target's top two logits there are {margin:.3g} apart, "
+                            f"beyond float tolerance {tolerance:.2g}", margin)
+
+
+def _token_at(ids: Sequence[int], index: int) -> str:
+    return f"id {ids[index]}" if index < len(ids) else "end"
+
+
+def logit_margin(target, prompt_ids: Sequence[int], prefix: Sequence[int]) -> tuple[float, float]:
+    """(gap between the target's top two logits after prompt + prefix, the float tolerance for a tie)."""
+    import torch
+
+    ids = [*prompt_ids, *prefix]
+    with torch.inference_mode():
+        cache = target.model.new_cache(len(ids))
+        logits = target.model(torch.tensor([ids], device=target.device), cache, last_only=True)[0, -1]
+    top = torch.topk(logits.float(), 2).values
+    dtype = str(target.dtype).removeprefix("torch.")
+    tolerance = _TIE_RTOL.get(dtype, _TIE_RTOL["float32"]) * max(1.0, abs(float(top[0])))
+    return float(top[0] - top[1]), tolerance
+
+
+# ---------------------------------------------------------------- accounting
+
+
+def check_accounting(spec: dict, emitted: int, origins: Sequence[str] | None = None,
+                     target_passes: int | None = None) -> Verdict:
+    """The counters of a speculative run (SpecStats.to_dict()) against what was emitted and run."""
+    accepted, recovered, bonus = spec["accepted"], spec["recovered"], spec["bonus"]
+    problems = []
+    if accepted + recovered + bonus != emitted:
+        problems.append(f"accepted {accepted} + recovered {recovered} + bonus {bonus} = "
+                        f"{accepted + recovered + bonus}, but {emitted} tokens were emitted")
+    if target_passes is not None and target_passes != spec["rounds"]:
+        problems.append(f"the target ran {target_passes} passes but {spec['rounds']} rounds were counted")
+    if accepted > spec["drafted"]:
+        problems.append(f"{accepted} accepted of only {spec['drafted']} drafted")
+    by_position = spec.get("accepted_by_position")
+    if by_position is not None and sum(by_position) != accepted:
+        problems.append(f"acceptance by position sums to {sum(by_position)}, not {accepted}")
+    if origins is not None:
+        counted = {kind: list(origins).count(kind) for kind in ("draft", "recovered", "bonus", "target")}
+        if (counted["draft"], counted["recovered"], counted["bonus"] + counted["target"]) != (
+                accepted, recovered, bonus):
+            problems.append(f"token origins {counted} disagree with the counters")
+    if problems:
+        return Verdict(INVALID, "accounting: " + "; ".join(problems))
+    return Verdict(VALID, "counts add up")
+
+
+# ---------------------------------------------------------------- physics
+
+
+def speedup_bound(gamma: float, acceptance: float) -> float:
+    """The most speculation can gain: 1 + γ·acceptance tokens per pass that costs at least one plain step."""
+    return 1.0 + gamma * acceptance
+
+
+def check_speedup(speedup: float, bound: float, how: str, slack: float = DEFAULT_SLACK) -> Verdict:
+    """`how` explains the bound, e.g. '1 + γ·acceptance = 1 + 4 × 0.002'."""
+    if speedup > bound * (1 + slack):
+        return Verdict(IMPOSSIBLE, f"speed-up {speedup:.2f}x exceeds {how} = {bound:.4g}x, the most possible: "
+                                   f"a target pass yields at most one token beyond the drafts it keeps "
+                                   f"and costs at least one plain step")
+    return Verdict(VALID, f"speed-up {speedup:.2f}x within {bound:.4g}x")
+
+
+def check_bandwidth(tok_s: float, tokens_per_pass: float, model_bytes: float, bandwidth_gb_s: float,
+                    what: str = "speculative", slack: float = DEFAULT_SLACK) -> Verdict:
+    """A token cannot take less than (bytes read per pass / bandwidth) / tokens per pass."""
+    floor_s = model_bytes / (bandwidth_gb_s * 1e9) / tokens_per_pass
+    if tok_s <= 0:
+        return Verdict(VALID, f"{what}: no tokens timed")
+    per_token_s = 1.0 / tok_s
+    if per_token_s * (1 + slack) < floor_s:
+        return Verdict(IMPOSSIBLE, f"{what} {tok_s:.1f} tok/s is {per_token_s * 1e3:.3g} ms per token, under the "
+                                   f"{floor_s * 1e3:.3g} ms that reading {model_bytes / 1e9:.3g} GB per pass at "
+                                   f"{bandwidth_gb_s:g} GB/s takes for {tokens_per_pass:.3g} tokens per pass")
+    return Verdict(VALID, f"{what} within bandwidth")
+
+
+# ---------------------------------------------------------------- rows from any tool
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """Rows of a CSV file (by suffix) or a JSONL file (one object per line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise VerispecError(f"no file at {str(path)!r}")
+    if path.suffix.lower() == ".csv":
+        with open(path, newline="", encoding="utf-8") as f:
+            return [row for row in csv.DictReader(f) if any((v or "").strip() for v in row.values())]
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise VerispecError(f"{path}:{number}: not a JSON object (expected CSV or JSONL)") from None
+    return rows
+
+
+def _number(row: dict, column: str, row_name: str, required: bool = True) -> float | None:
+    value = row.get(column)
+    if value is None or (isinstance(value, str) and not value.strip()):
+        if required:
+            raise VerispecError(f"{row_name}: no value in column {column!r} "
+                                f"(needed: {', '.join(REQUIRED_COLUMNS)})")
+        return None
+    text = str(value).strip()
+    try:
+        number = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise VerispecError(f"{row_name}: column {column!r} holds {value!r}, not a number") from None
+    if not math.isfinite(number):
+        raise VerispecError(f"{row_name}: column {column!r} holds {value!r}, not a finite number")
+    return number
+
+
+def audit_row(row: dict, row_name: str = "row", slack: float = DEFAULT_SLACK) -> Verdict:
+    """The physics and accounting rules applied to one reported result."""
+    baseline, spec = _number(row, "baseline_tok_s", row_name), _number(row, "spec_tok_s", row_name)
+    gamma, acceptance = _number(row, "gamma", row_name), _number(row, "acceptance", row_name)
+    if baseline <= 0 or spec <= 0 or gamma < 0:
+        return Verdict(INVALID, "speeds must be positive and γ at least 0")
+    if not 0 <= acceptance <= 1:
+        return Verdict(INVALID, f"accounting: acceptance {acceptance:g} is not a fraction in [0, 1]")
+    speedup = spec / baseline
+    bound = speedup_bound(gamma, acceptance)
+    checks = [_check_row_counts(row, row_name, speedup, acceptance),
+              check_speedup(speedup, bound, f"1 + γ·acceptance = 1 + {gamma:g} × {acceptance:.3g}", slack)]
+    model_bytes = _number(row, "model_bytes", row_name, required=False)
+    bandwidth = _number(row, "bandwidth_gb_s", row_name, required=False)
+    if model_bytes and bandwidth:
+        checks.append(check_bandwidth(baseline, 1.0, model_bytes, bandwidth, "baseline", slack))
+        checks.append(check_bandwidth(spec, bound, model_bytes, bandwidth, "speculative", slack))
+    return worst(checks)
+
+
+def _check_row_counts(row: dict, row_name: str, speedup: float, acceptance: float) -> Verdict:
+    """The optional columns, where a tool reports them, must agree with each other."""
+    get = {c: _number(row, c, row_name, required=False) for c in (
+        "speedup", "accepted", "drafted", "recovered", "bonus", "tokens", "rounds", "target_passes")}
+    problems = []
+    claimed = get["speedup"]
+    if claimed is not None and abs(claimed - speedup) > 0.01 * speedup + 0.005:
+        problems.append(f"the reported speed-up {claimed:g}x is not spec / baseline = {speedup:.3g}x")
+    if get["accepted"] is not None and get["drafted"]:
+        if get["accepted"] > get["drafted"]:
+            problems.append(f"{get['accepted']:g} accepted of only {get['drafted']:g} drafted")
+        elif abs(get["accepted"] / get["drafted"] - acceptance) > 0.005:
+            problems.append(f"acceptance {acceptance:.3g} is not accepted / drafted = "
+                            f"{get['accepted'] / get['drafted']:.3g}")
+    parts = [get[c] for c in ("accepted", "recovered", "bonus")]
+    if get["tokens"] is not None and None not in parts and sum(parts) != get["tokens"]:
+        problems.append(f"accepted + recovered + bonus = {sum(parts):g}, not the {get['tokens']:g} tokens")
+    if get["rounds"] is not None and get["target_passes"] is not None and get["rounds"] != get["target_passes"]:
+        problems.append(f"{get['target_passes']:g} target passes but {get['rounds']:g} rounds")
+    if problems:
+        return Verdict(INVALID, "accounting: " + "; ".join(problems))
+    return Verdict(VALID, "")
+
+
+# ---------------------------------------------------------------- runs measured here
+
+
+def decode_passes(run: dict) -> int | None:
+    """Target passes after the prefill: the passes that the decode time (and tok/s) covers."""
+    passes = run.get("target_passes")
+    if passes is None and run.get("spec"):
+        passes = run["spec"]["rounds"]
+    return passes - 1 if passes else None
+
+
+def tokens_per_decode_pass(run: dict) -> float | None:
+    passes = decode_passes(run)
+    timed = run["completion_tokens"] - 1  # the first token comes from the prefill pass
+    return timed / passes if passes and timed > 0 else None
+
+
+def physics_of_run(run: dict, baseline_tok_s: float | None, slack: float = DEFAULT_SLACK) -> Verdict:
+    """Speed-up within 1 + accepted drafts per decode pass; tok/s within bandwidth when it is known.
+
+    `baseline_tok_s` is the target alone on the same prompt (the median of its repeats).
+    """
+    checks = []
+    spec = run.get("spec")
+    passes = decode_passes(run)
+    if spec and passes and baseline_tok_s and run.get("tok_s"):
+        bound = 1.0 + spec["accepted"] / passes
+        checks.append(check_speedup(run["tok_s"] / baseline_tok_s, bound,
+                                    f"1 + accepted drafts per pass = 1 + {spec['accepted']}/{passes}", slack))
+    tokens_per_pass = tokens_per_decode_pass(run)
+    if run.get("model_bytes") and run.get("bandwidth_gb_s") and tokens_per_pass:
+        what = "speculative" if spec else "baseline"
+        checks.append(check_bandwidth(run["tok_s"], tokens_per_pass, run["model_bytes"],
+                                      run["bandwidth_gb_s"], what, slack))
+    return worst(checks) if checks else Verdict(VALID, "")
+
+
+def run_checks(run: dict, baseline_tok_s: float | None, output: Verdict | None = None,
+               slack: float = DEFAULT_SLACK) -> dict[str, Verdict]:
+    """The output, accounting and physics verdicts of one measured run.
+
+    `output` is the output verdict (judging a tie needs the model); without one it is read
+    from the record, so that a report re-audits counts and physics from the JSONL alone.
+    """
+    if output is None:
+        output = Verdict.from_dict((run.get("audit") or {}).get("output"))
+    accounting = Verdict(VALID, "")
+    if run.get("spec"):
+        accounting = check_accounting(run["spec"], run["completion_tokens"], run.get("origins"),
+                                      run.get("target_passes"))
+    return {"output": output, "accounting": accounting, "physics": physics_of_run(run, baseline_tok_s, slack)}
+
+
+def audit_run(run: dict, baseline_tok_s: float | None, output: Verdict | None = None,
+              slack: float = DEFAULT_SLACK) -> Verdict:
+    """The worst of a run's three verdicts."""
+    return worst(run_checks(run, baseline_tok_s, output, slack).values())
