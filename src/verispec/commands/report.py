@@ -1,0 +1,35 @@
+"""`verispec report RESULTS.jsonl`: the audited tables and plots, from the raw runs alone."""
+
+from __future__ import annotations
+
+from verispec.commands.options import probability
+
+
+def register(sub) -> None:
+    parser = sub.add_parser("report", help="tables (printed and Markdown) and PNG plots from a results JSONL")
+    parser.add_argument("results", help="JSONL file written by `verispec bench`, `sweep` or `demo`")
+    parser.add_argument("--out", "-o", default=None,
+                        help="folder for results.md and the plots (default: beside the results file)")
+    parser.add_argument("--profile", default=None,
+                        help="a calibration profile (`verispec calibrate`): show the cost model's predicted "
+                             "speed-up beside the measured one")
+    parser.add_argument("--slack", type=probability, default=0.10,
+                        help="timing noise allowed above a physical bound before a run is IMPOSSIBLE")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from verispec.lab.report import build_report, print_tables
+
+    console = Console(highlight=False)
+    results = Path(args.results)
+    out_dir = Path(args.out) if args.out else results.with_suffix("")
+    report = build_report(results, out_dir, args.profile, args.slack)
+    print_tables(console, report.rows, report.records)
+    if report.markdown_path:
+        console.print(f"[dim]wrote {report.markdown_path} and {len(report.plots)} plots in {out_dir}[/dim]")
+    return 0 if all(row.verdict.valid for row in report.rows) else 1
