@@ -1,0 +1,108 @@
+"""`verispec bench`: the target alone against speculative decoding, on the same prompts, audited."""
+
+from __future__ import annotations
+
+import time
+
+from verispec.commands.options import (WEIGHT_FORMATS, non_negative_float, non_negative_int, positive_int,
+                                       probability)
+
+
+def register(sub) -> None:
+    parser = sub.add_parser("bench", help="measure baseline against speculative decoding, audited",
+                            description="For every configuration, after a warm-up, run the target alone and "
+                                        "speculative decoding on the same prompts with the same token budget; "
+                                        "write one JSONL record per run and print the audited table.")
+    parser.add_argument("--model", "-m", required=True, help="target model: a demo name, a GGUF file or a HF folder")
+    parser.add_argument("--draft", "-d", nargs="+", required=True, metavar="PROPOSER",
+                        help="draft model(s), 'ngram' (prompt lookup) and/or 'synthetic:α' "
+                             "(drafts the target's own token with probability α; for cost studies)")
+    parser.add_argument("--gamma", "-g", type=positive_int, nargs="+", default=[4], help="draft lengths to try")
+    parser.add_argument("--adaptive", nargs="?", const="cost", choices=["cost", "heuristic"], default=False,
+                        help="choose γ each round, up to the largest --gamma")
+    parser.add_argument("--prompts", "-p", default="spec-bench",
+                        help="spec-bench, spec-bench:CATEGORY[,CATEGORY], a Spec-Bench-style JSONL file, "
+                             "or a text file with one prompt per line")
+    parser.add_argument("--limit", type=non_negative_int, default=10,
+                        help="prompts: K per named category, else K spread over all categories (0: all)")
+    parser.add_argument("--max-tokens", "-n", type=positive_int, default=128)
+    parser.add_argument("--repeats", "-r", type=positive_int, default=3)
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default=None, help="weight format of the target")
+    parser.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=positive_int, default=None)
+    parser.add_argument("--temperature", "-t", type=non_negative_float, default=0.0,
+                        help="0 (default): greedy, so that outputs can be checked token for token")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate the full token budget")
+    parser.add_argument("--no-chat", action="store_true", help="do not wrap prompts in the chat template")
+    parser.add_argument("--no-warmup", action="store_true")
+    parser.add_argument("--bandwidth-gb-s", type=non_negative_float, default=None,
+                        help="the machine's peak memory bandwidth, for the bandwidth rule of the audit")
+    parser.add_argument("--slack", type=probability, default=0.10,
+                        help="timing noise allowed above a physical bound before a run is IMPOSSIBLE")
+    parser.add_argument("--ngram", type=positive_int, nargs=2, metavar=("MAX", "MIN"), default=(3, 1))
+    parser.add_argument("--out", "-o", default=None, help="JSONL file for the raw runs "
+                                                          "(default: results/bench-<time>.jsonl)")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import torch
+    from rich.console import Console
+
+    from verispec.lab.bench import Bench, BenchSettings, load_for_bench, parse_proposer, spec_configs
+    from verispec.lab.prompts import load_prompts
+    from verispec.lab.records import RecordWriter
+    from verispec.lab.report import print_tables, summarize
+
+    console = Console(highlight=False)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    adaptive = [args.adaptive] if args.adaptive else [False]
+    gammas = [max(args.gamma)] if args.adaptive else args.gamma
+    configs = spec_configs(args.draft, gammas, adaptive)
+    prompts = load_prompts(args.prompts, args.limit or None)
+    settings = BenchSettings(max_tokens=args.max_tokens, repeats=args.repeats, temperature=args.temperature,
+                             seed=args.seed, chat=False if args.no_chat else None, ignore_eos=args.ignore_eos,
+                             warmup=not args.no_warmup, bandwidth_gb_s=args.bandwidth_gb_s, slack=args.slack,
+                             ngram=tuple(args.ngram))
+    out = args.out or time.strftime("results/bench-%Y%m%d-%H%M%S.jsonl")
+    with console.status(f"loading {args.model}"):
+        target = load_for_bench(args.model, args.weights, args.device)
+        drafts = {p.label: load_for_bench(p.label, args.draft_weights, args.device)
+                  for p in map(parse_proposer, args.draft) if p.kind == "draft"}
+    writer = RecordWriter(out, fresh=True)
+    runs = len(prompts) * args.repeats * (len(configs) + 1)
+    console.print(f"{len(prompts)} prompt(s) × {args.repeats} repeat(s) × (baseline + {len(configs)} "
+                  f"configuration(s)) = {runs} runs of {args.max_tokens} tokens → {out}")
+    bench = Bench(target, settings, drafts, on_record=writer.write, label=args.model)
+    with console.status("running") as status:
+        bench.on_run = lambda what: status.update(f"running {what}")
+        records = bench.run(args.prompts, prompts, configs)
+    print_per_prompt(console, records)
+    rows = summarize(records, args.slack)
+    print_tables(console, rows, records)
+    console.print(f"[dim]raw runs: {out}[/dim]")
+    return 0 if all(row.verdict.valid for row in rows) else 1
+
+
+def print_per_prompt(console, records: list[dict]) -> None:
+    from rich.table import Table
+
+    table = Table(title="per run", title_justify="left")
+    for column in ("prompt", "configuration", "repeat", "tokens", "tok/s", "speed-up", "acceptance",
+                   "tokens/pass", "draft/target/other ms", "passes", "peak MB", "audit"):
+        table.add_column(column, justify="left" if column in ("prompt", "configuration", "audit") else "right")
+    for r in records:
+        spec = r.get("spec")
+        split = r["time_split"]
+        config = "baseline" if r["proposer_kind"] == "baseline" else f"{r['proposer']} γ={r['gamma']}"
+        table.add_row(f"#{r['prompt_id']} {r['category']}", config, str(r["repeat"] + 1),
+                      str(r["completion_tokens"]), f"{r['tok_s']:.2f}",
+                      f"{r['speedup']:.2f}x" if r.get("speedup") else "",
+                      f"{spec['acceptance_rate']:.0%}" if spec else "",
+                      f"{spec['tokens_per_pass']:.2f}" if spec else "",
+                      "/".join(f"{1e3 * split[k]:.0f}" for k in ("draft_s", "target_s", "other_s")),
+                      str(r["target_passes"]), f"{r['peak_rss_mb']:.0f}", r["audit"]["status"])
+    console.print(table)

@@ -1,0 +1,354 @@
+"""Baseline against speculative decoding: same prompts, same token budget, every run audited.
+
+For each repeat and each prompt, the target-only baseline runs first and every
+speculative configuration right after it, so that each speed-up is a ratio of
+two runs measured side by side. Each run becomes one JSONL record holding its
+raw numbers (tokens, timings, counters, passes, memory, the machine) and its
+audit verdict; tables and plots are derived from those records alone.
+"""
+
+from __future__ import annotations
+
+import re
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from verispec.errors import VerispecError
+from verispec.generate import encode_prompt, generate, make_proposer
+from verispec.lab.audit import (DEFAULT_SLACK, INVALID, VALID, Verdict, check_output, logit_margin, run_checks,
+                                worst)
+from verispec.lab.prompts import Prompt
+from verispec.lab.calibrate import machine_facts
+
+WARMUP_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class ProposerSpec:
+    """What drafts: nothing (the baseline), prompt lookup, synthetic acceptance α, or a draft model."""
+    label: str
+    kind: str  # "baseline" | "ngram" | "synthetic" | "draft"
+    alpha: float | None = None
+
+
+BASELINE = ProposerSpec("baseline", "baseline")
+
+
+def parse_proposer(text: str) -> ProposerSpec:
+    """'ngram', 'synthetic:α' (0 <= α <= 1), 'baseline', or a draft model name or path."""
+    text = str(text).strip()
+    if text in ("baseline", "none"):
+        return BASELINE
+    if text == "ngram":
+        return ProposerSpec("ngram", "ngram")
+    if text.startswith("synthetic:"):
+        try:
+            alpha = float(text.split(":", 1)[1])
+        except ValueError:
+            alpha = -1.0
+        if not 0 <= alpha <= 1:
+            raise VerispecError(f"{text!r}: synthetic acceptance takes a probability, e.g. synthetic:0.8")
+        return ProposerSpec(f"synthetic:{alpha:g}", "synthetic", alpha)
+    return ProposerSpec(text, "draft")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    proposer: ProposerSpec
+    gamma: int = 0
+    adaptive: bool | str = False
+
+    @property
+    def label(self) -> str:
+        if self.proposer.kind == "baseline":
+            return "baseline"
+        schedule = f" adaptive={self.adaptive}" if self.adaptive else ""
+        return f"{self.proposer.label} γ={self.gamma}{schedule}"
+
+
+BASELINE_RUN = RunConfig(BASELINE)
+
+
+@dataclass
+class BenchSettings:
+    max_tokens: int = 64
+    repeats: int = 1
+    temperature: float = 0.0  # greedy by default: only greedy output can be checked token for token
+    seed: int = 0
+    chat: bool | None = None  # None: wrap prompts in the chat template when the model has one
+    ignore_eos: bool = False
+    warmup: bool = True
+    bandwidth_gb_s: float | None = None  # the machine's peak; enables the bandwidth rule
+    slack: float = DEFAULT_SLACK
+    ngram: tuple[int, int] = (3, 1)
+
+
+def load_for_bench(spec: str, weights: str | None = None, device: str = "cpu"):
+    """Load a model in the given weight format (float32 activations unless the format is a float type)."""
+    from verispec.loading import load_model
+
+    dtype = weights if weights in ("float32", "bfloat16", "float16") else "float32"
+    return load_model(spec, dtype, device, weights)
+
+
+def bytes_read_per_pass(target) -> int:
+    """A lower bound on the weight bytes one target pass reads.
+
+    A dense model reads every weight. A mixture of experts reads at least the
+    top-k experts' share of its expert weights (a pass over several positions
+    reads more, which only makes this bound safer).
+    """
+    total = target.weight_bytes()
+    config = target.config
+    if not config.is_moe or not config.num_experts_per_tok:
+        return total
+    expert_bytes = sum(t.numel() * t.element_size()
+                       for name, t in [*target.model.named_parameters(), *target.model.named_buffers()]
+                       if re.search(r"\.experts(\.|$)", name))
+    unread = expert_bytes * (1 - config.num_experts_per_tok / config.num_experts)
+    return int(total - unread)
+
+
+def run_key(target: str, weights: str, prompt_set: str, prompt_id: str, config: RunConfig, repeat: int,
+            settings: BenchSettings) -> str:
+    """Identifies one run across restarts of a sweep."""
+    return "|".join(str(part) for part in (target, weights, prompt_set, prompt_id, config.label, repeat,
+                                           settings.max_tokens, settings.temperature))
+
+
+def plan_runs(prompts: list[Prompt], configs: list[RunConfig], repeats: int) -> list[tuple[Prompt, RunConfig, int]]:
+    """Every run in order: per repeat and prompt, the baseline, then each speculative configuration
+    right after it, so that each speed-up compares two runs measured side by side."""
+    configs = [c for c in configs if c.proposer.kind != "baseline"]
+    return [(prompt, config, repeat)
+            for repeat in range(repeats)
+            for prompt in prompts
+            for config in [BASELINE_RUN, *configs]]
+
+
+class PassCounter:
+    """Counts the target's forward passes: those on the cache of the first pass (the prefill).
+
+    A draft model that is the very same module runs on its own cache, so its passes are not counted.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.passes = 0
+        self.cache = None
+
+    def _hook(self, module, args) -> None:
+        cache = args[1] if len(args) > 1 else None
+        if self.cache is None:
+            self.cache = cache
+        if cache is self.cache:
+            self.passes += 1
+
+    def __enter__(self) -> "PassCounter":
+        self.handle = self.model.register_forward_pre_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+
+def peak_rss_mb() -> float:
+    """The process's peak resident memory so far."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 1e6 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
+
+
+class Bench:
+    """Runs baseline and speculative configurations of one loaded target over prompt sets.
+
+    `done` maps run keys to records of earlier runs, which are reused rather than run
+    again (a resumed sweep); every new record goes to `on_record`, and `on_run` hears
+    which run starts next.
+    """
+
+    def __init__(self, target, settings: BenchSettings, drafts: Mapping[str, object] | None = None,
+                 on_record: Callable[[dict], None] | None = None, done: Mapping[str, dict] | None = None,
+                 on_run: Callable[[str], None] | None = None, label: str | None = None):
+        self.target = target
+        self.label = label or target.name  # how records name the target
+        self.settings = settings
+        self.drafts = dict(drafts or {})
+        self.on_record = on_record or (lambda record: None)
+        self.on_run = on_run or (lambda label: None)
+        self.records = dict(done or {})
+        self.machine = machine_facts(str(target.device))
+        self.model_bytes = bytes_read_per_pass(target)
+        self._draft_proposers: dict[str, object] = {}
+        self._warm = not settings.warmup
+
+    def key(self, prompt_set: str, prompt: Prompt, config: RunConfig, repeat: int) -> str:
+        return run_key(self.label, self.target.weights, prompt_set, prompt.id, config, repeat, self.settings)
+
+    def run(self, prompt_set: str, prompts: list[Prompt], configs: list[RunConfig]) -> list[dict]:
+        """Run (or reuse) every run of the plan; returns their records in plan order."""
+        configs = [c for c in configs if c.proposer.kind != "baseline"]
+        encoded = {p.id: self.encode(p) for p in prompts}
+        out = []
+        for prompt, config, repeat in plan_runs(prompts, configs, self.settings.repeats):
+            key = self.key(prompt_set, prompt, config, repeat)
+            if key in self.records:
+                out.append(self.records[key])
+                continue
+            if not self._warm:
+                self.warm_up(encoded[prompts[0].id], configs)
+            baselines = [self.records[k] for k in (self.key(prompt_set, prompt, BASELINE_RUN, r)
+                                                   for r in range(repeat + 1)) if k in self.records]
+            self.on_run(f"{prompt_set} #{prompt.id} {config.label} (repeat {repeat + 1})")
+            record = self.measure(key, prompt_set, prompt, encoded[prompt.id], config, repeat, baselines)
+            self.records[key] = record
+            self.on_record(record)
+            out.append(record)
+        return out
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        tokenizer = self.target.tokenizer
+        chat = self.settings.chat if self.settings.chat is not None else bool(tokenizer.chat_template)
+        return encode_prompt(tokenizer, prompt.text, chat)
+
+    def warm_up(self, prompt_ids: list[int], configs: list[RunConfig]) -> None:
+        """One short unrecorded run per proposer: first calls allocate and pick kernels."""
+        tokens = min(WARMUP_TOKENS, self.settings.max_tokens)
+        reference = self.generate(prompt_ids, BASELINE_RUN, None, tokens)[0].token_ids
+        seen = set()
+        for config in configs:
+            if config.proposer.label not in seen:
+                seen.add(config.proposer.label)
+                self.generate(prompt_ids, config, reference, tokens)
+        self._warm = True
+
+    def proposer(self, config: RunConfig, reference: list[int] | None, repeat: int = 0):
+        spec = config.proposer
+        if spec.kind == "baseline":
+            return None
+        if spec.kind == "ngram":
+            from verispec.spec.prompt_lookup import PromptLookupProposer
+            return PromptLookupProposer(*self.settings.ngram)
+        if spec.kind == "synthetic":
+            from verispec.spec.synthetic import SyntheticProposer
+            return SyntheticProposer(list(reference or []), spec.alpha, self.target.config.vocab_size,
+                                     seed=self.settings.seed + repeat)
+        if spec.label not in self._draft_proposers:  # tokenizers are compared once, not per run
+            if spec.label not in self.drafts:
+                raise VerispecError(f"draft model {spec.label!r} was not loaded")
+            self._draft_proposers[spec.label] = make_proposer(self.drafts[spec.label], self.target)
+        return self._draft_proposers[spec.label]
+
+    def generate(self, prompt_ids: list[int], config: RunConfig, reference: list[int] | None,
+                 max_tokens: int, repeat: int = 0):
+        """(result, target passes) of one generation."""
+        s = self.settings
+        with PassCounter(self.target.model) as counter:
+            result = generate(self.target, prompt_ids, draft=self.proposer(config, reference, repeat),
+                              gamma=config.gamma, adaptive=config.adaptive, max_tokens=max_tokens,
+                              temperature=s.temperature, seed=s.seed + repeat, ignore_eos=s.ignore_eos,
+                              ngram=s.ngram)
+        return result, counter.passes
+
+    def measure(self, key: str, prompt_set: str, prompt: Prompt, prompt_ids: list[int], config: RunConfig,
+                repeat: int, baselines: list[dict]) -> dict:
+        """One run, recorded and audited. `baselines`: this prompt's baseline runs so far, by repeat."""
+        if self.target.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        is_baseline = config.proposer.kind == "baseline"
+        same_repeat = baselines[repeat] if len(baselines) > repeat else None
+        reference = None if is_baseline else same_repeat["token_ids"]
+        started = time.time()
+        result, passes = self.generate(prompt_ids, config, reference, self.settings.max_tokens, repeat)
+        record = self._record(key, prompt_set, prompt, config, repeat, result, passes, started)
+        baseline_tok_s = None
+        if is_baseline:
+            output = self.check_baseline(baselines[0] if baselines else None, result.token_ids)
+        else:
+            # against the median of this prompt's baselines so far: one slow baseline skews no ratio
+            baseline_tok_s = statistics.median(b["tok_s"] for b in baselines)
+            record["baseline_tok_s"] = baseline_tok_s
+            record["speedup"] = record["tok_s"] / baseline_tok_s if baseline_tok_s else None
+            output = self.check_output(prompt_ids, same_repeat["token_ids"], result.token_ids)
+        checks = run_checks(record, baseline_tok_s, output, self.settings.slack)
+        record["audit"] = {**worst(checks.values()).to_dict(), **{k: v.to_dict() for k, v in checks.items()}}
+        return record
+
+    def check_output(self, prompt_ids: list[int], expected: list[int], got: list[int]) -> Verdict:
+        if self.settings.temperature > 0:
+            return Verdict(VALID, "sampled: output not compared token for token")
+        return check_output(expected, got, lambda at: logit_margin(self.target, prompt_ids, expected[:at]))
+
+    def check_baseline(self, first: dict | None, got: list[int]) -> Verdict:
+        """Greedy decoding is deterministic: every repeat of a baseline must give the first one's tokens."""
+        if first is None or self.settings.temperature > 0:
+            return Verdict(VALID, "")
+        if first["token_ids"] != got:
+            return Verdict(INVALID, "the greedy baseline is not deterministic: this repeat differs from the first")
+        return Verdict(VALID, "")
+
+    def _record(self, key: str, prompt_set: str, prompt: Prompt, config: RunConfig, repeat: int, result,
+                passes: int, started: float) -> dict:
+        t = result.timings
+        spec = result.spec.to_dict() if result.spec is not None else None
+        if spec:
+            split = {"draft_s": spec["draft_s"], "target_s": spec["verify_s"],
+                     "other_s": max(0.0, t.decode_s - spec["draft_s"] - spec["verify_s"])}
+        else:
+            split = {"draft_s": 0.0, "target_s": t.decode_s, "other_s": 0.0}
+        cuda_peak = (torch.cuda.max_memory_allocated() / 2**20) if self.target.device.type == "cuda" else None
+        return {
+            "key": key,
+            "target": self.label,
+            "weights": self.target.weights,
+            "dtype": str(self.target.dtype).removeprefix("torch."),
+            "prompt_set": prompt_set,
+            "prompt_id": prompt.id,
+            "category": prompt.category,
+            "proposer": config.proposer.label,
+            "proposer_kind": config.proposer.kind,
+            "alpha": config.proposer.alpha,
+            "gamma": config.gamma,
+            "adaptive": config.adaptive,
+            "repeat": repeat,
+            "max_tokens": self.settings.max_tokens,
+            "temperature": self.settings.temperature,
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": len(result.token_ids),
+            "finish_reason": result.finish_reason,
+            "token_ids": result.token_ids,
+            "origins": result.origins,
+            "tok_s": t.tokens_per_s,
+            "prefill_s": t.prefill_s,
+            "decode_s": t.decode_s,
+            "time_split": split,
+            "target_passes": passes,
+            "spec": spec,
+            "baseline_tok_s": None,
+            "speedup": None,
+            "model_bytes": self.model_bytes,
+            "bandwidth_gb_s": self.settings.bandwidth_gb_s,
+            "peak_rss_mb": peak_rss_mb(),
+            "peak_cuda_mb": cuda_peak,
+            "machine": self.machine,
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+        }
+
+
+def spec_configs(proposers: list[str], gammas: list[int], adaptive: list[bool | str] | None = None) -> list[RunConfig]:
+    """The grid of speculative configurations: proposers × γ × schedules."""
+    configs = []
+    for text in proposers:
+        spec = parse_proposer(text)
+        if spec.kind == "baseline":
+            continue
+        for gamma in gammas:
+            for schedule in adaptive or [False]:
+                configs.append(RunConfig(spec, gamma, schedule))
+    return configs
