@@ -12,6 +12,11 @@ from verispec.errors import VerispecError
 COMMAND_MODULES = [
     "verispec.commands.models",
     "verispec.commands.generate",
+    "verispec.commands.bench",
+    "verispec.commands.sweep",
+    "verispec.commands.report",
+    "verispec.commands.audit",
+    "verispec.commands.demo",
     "verispec.commands.calibrate",
     "verispec.commands.explain",
     "verispec.commands.serve",
