@@ -1,0 +1,434 @@
+"""The lab on tiny random models: prompts, audits, bench, sweep resumption, reports from JSONL, the demo."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiny
+from verispec.cli import main
+from verispec.errors import VerispecError
+from verispec.lab import audit, bench, report, sweep
+from verispec.lab.prompts import SPEC_BENCH_ENV, Prompt, load_prompts
+from verispec.lab.records import RecordWriter, read_records
+from verispec.loading import load_model
+
+FIXTURES = Path(__file__).parent / "fixtures"
+PROMPTS = ["Write a function that adds two numbers.", "abab cdcd abab cdcd abab cdcd", "Tell me about cats."]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Folders of a tiny target, an identical copy (every draft kept) and an unrelated draft."""
+    root = tmp_path_factory.mktemp("lab-models")
+    for name, seed in (("target", 0), ("same", 0), ("other", 1)):
+        tiny.save_hf_model(root / name, "qwen2", seed=seed, max_position_embeddings=2048)
+    return root
+
+
+@pytest.fixture(scope="module")
+def loaded(models):
+    return {name: load_model(models / name) for name in ("target", "same", "other")}
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return path
+
+
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps table headers in a narrow terminal
+
+
+class ModelledClock:
+    """Decoding time without a shared machine's noise: each forward pass of a model over m positions
+    costs (1 + (m - 1) / 20) ms, plus `extra_s` while set, on the clock the decoding loop reads."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.extra_s = 0.0
+
+    def pass_hook(self, module, args) -> None:
+        if hasattr(module, "new_cache"):  # a whole model, not one of its layers
+            self.now += 1e-3 * (1 + (args[0].shape[1] - 1) / 20) + self.extra_s
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    from types import SimpleNamespace
+
+    import verispec.generate as engine
+
+    modelled = ModelledClock()
+    monkeypatch.setattr(engine, "time", SimpleNamespace(perf_counter=lambda: modelled.now))
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(modelled.pass_hook)
+    yield modelled
+    handle.remove()
+
+
+def run_cli(capsys, *argv) -> tuple[int, str]:
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return code, out + err
+
+
+def small_settings(**overrides) -> bench.BenchSettings:
+    return bench.BenchSettings(**{"max_tokens": 10, "repeats": 1, "warmup": False, **overrides})
+
+
+# ---------------------------------------------------------------- prompts
+
+
+@pytest.fixture
+def fake_spec_bench(tmp_path, monkeypatch):
+    path = tmp_path / "question.jsonl"
+    rows = [{"question_id": i, "category": cat, "turns": [f"{cat} question {i}", "second turn"]}
+            for i, cat in enumerate(["coding"] * 3 + ["writing"] * 3 + ["qa"] * 3)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    monkeypatch.setenv(SPEC_BENCH_ENV, str(path))
+    return path
+
+
+def test_spec_bench_categories_and_limits(fake_spec_bench):
+    assert [p.text for p in load_prompts("spec-bench:coding", 2)] == ["coding question 0", "coding question 1"]
+    assert [p.category for p in load_prompts("spec-bench:coding,qa", 1)] == ["coding", "qa"]
+    spread = load_prompts("spec-bench", 4)
+    assert [p.category for p in spread] == ["coding", "writing", "qa", "coding"]
+    assert len(load_prompts("spec-bench")) == 9
+    with pytest.raises(VerispecError, match="unknown Spec-Bench category nope"):
+        load_prompts("spec-bench:nope")
+
+
+def test_spec_bench_missing_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv(SPEC_BENCH_ENV, str(tmp_path / "absent.jsonl"))
+    with pytest.raises(VerispecError, match="VERISPEC_SPEC_BENCH points to"):
+        load_prompts("spec-bench")
+
+
+def test_prompt_files(tmp_path, prompt_file):
+    assert [p.text for p in load_prompts(str(prompt_file))] == PROMPTS
+    jsonl = tmp_path / "mine.jsonl"
+    jsonl.write_text('{"turns": ["first", "ignored"], "category": "x"}\n{"turns": ["second"]}\n')
+    assert [(p.text, p.category) for p in load_prompts(str(jsonl))] == [("first", "x"), ("second", "default")]
+    jsonl.write_text('{"prompt": "no turns"}\n')
+    with pytest.raises(VerispecError, match="'turns'"):
+        load_prompts(str(jsonl))
+    with pytest.raises(VerispecError, match="no prompts at"):
+        load_prompts(str(tmp_path / "missing.txt"))
+
+
+# ---------------------------------------------------------------- audit rules
+
+
+def test_seed_rows_are_impossible(capsys):
+    code, out = run_cli(capsys, "audit", FIXTURES / "seed_rows.csv")
+    assert code != 0
+    assert out.count("IMPOSSIBLE") == 3
+    assert "1 + γ·acceptance = 1 + 4 × 0.002 = 1.008x" in out
+    assert "3 of 3 row(s) fail" in out
+
+
+def test_audit_rows(tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    plausible = {"baseline_tok_s": 10, "spec_tok_s": 15, "gamma": 4, "acceptance": 0.7}
+    rows.write_text(json.dumps(plausible) + "\n")
+    code, out = run_cli(capsys, "audit", rows)
+    assert code == 0 and "VALID" in out
+    # the seed's 9B bf16 at γ = 16: 14.8 ms per token, under the 22 ms that reading 17.9 GB at 800 GB/s takes
+    too_fast = {"baseline_tok_s": 40, "spec_tok_s": 1000 / 14.8, "gamma": 16, "acceptance": 0.02,
+                "model_bytes": 17.9e9, "bandwidth_gb_s": 800}
+    verdict = audit.audit_row(too_fast)
+    assert verdict.status == audit.IMPOSSIBLE
+    assert "exceeds 1 + γ·acceptance" in verdict.reason and "17.9 GB per pass at 800 GB/s" in verdict.reason
+    assert audit.audit_row({**plausible, "acceptance": 1.3}).status == audit.INVALID
+    assert audit.audit_row({**plausible, "speedup": 2.0}).status == audit.INVALID
+    assert audit.audit_row({**plausible, "acceptance": "70%"}).valid
+
+
+def test_output_check_and_ties():
+    same = audit.check_output([1, 2, 3], [1, 2, 3])
+    assert same.status == audit.VALID
+    tie = audit.check_output([1, 2, 3], [1, 2, 4], lambda at: (1e-6, 1e-4))
+    assert tie.status == audit.TIE and tie.margin == 1e-6
+    wrong = audit.check_output([1, 2, 3], [1, 5, 3], lambda at: (0.7, 1e-4))
+    assert wrong.status == audit.INVALID and "token 1" in wrong.reason
+    assert audit.first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_logit_margin_is_the_target_top_two_gap(loaded):
+    target = loaded["target"]
+    prompt, prefix = [5, 6, 7], [8, 9]
+    margin, tolerance = audit.logit_margin(target, prompt, prefix)
+    with torch.no_grad():
+        logits = target.model(torch.tensor([prompt + prefix]), target.model.new_cache(8))[0, -1]
+    top = logits.topk(2).values
+    assert margin == pytest.approx(float(top[0] - top[1]), abs=1e-5)
+    assert 0 < tolerance < 0.01
+
+
+def test_accounting_catches_counters_that_do_not_add_up():
+    spec = {"rounds": 4, "drafted": 6, "accepted": 4, "recovered": 2, "bonus": 1,
+            "accepted_by_position": [2, 2]}
+    assert audit.check_accounting(spec, 7, target_passes=4).valid
+    assert not audit.check_accounting(spec, 8).valid
+    assert "passes" in audit.check_accounting(spec, 7, target_passes=5).reason
+    assert not audit.check_accounting({**spec, "accepted_by_position": [3, 2]}, 7).valid
+
+
+# ---------------------------------------------------------------- bench on tiny models
+
+
+def tiny_prompts(n: int = 2) -> list[Prompt]:
+    return [Prompt(str(i), "default", text) for i, text in enumerate(PROMPTS[:n])]
+
+
+def run_bench(loaded, proposers, gammas=(3,), settings=None) -> list[dict]:
+    drafts = {"same": loaded["same"], "other": loaded["other"]}
+    runner = bench.Bench(loaded["target"], settings or small_settings(repeats=2), drafts, label="tiny")
+    return runner.run("tiny-prompts", tiny_prompts(), bench.spec_configs(list(proposers), list(gammas)))
+
+
+def test_bench_records_are_complete_and_outputs_match(loaded):
+    records = run_bench(loaded, ["same", "other", "ngram", "synthetic:1", "synthetic:0"])
+    assert len(records) == 2 * 2 * 6  # repeats × prompts × (baseline + 5 configurations)
+    for r in records:
+        assert r["audit"]["output"]["status"] == audit.VALID
+        assert r["audit"]["accounting"]["status"] == audit.VALID
+        assert r["machine"]["torch"] == torch.__version__ and r["peak_rss_mb"] > 0
+        assert r["model_bytes"] == loaded["target"].weight_bytes()
+        if r["spec"]:
+            assert r["target_passes"] == r["spec"]["rounds"]
+            assert r["baseline_tok_s"] > 0 and r["speedup"] == pytest.approx(r["tok_s"] / r["baseline_tok_s"])
+    by_proposer = {p: [r for r in records if r["proposer"] == p] for p in ("same", "synthetic:1", "synthetic:0")}
+    assert all(r["spec"]["acceptance_rate"] == 1.0 for r in by_proposer["same"] + by_proposer["synthetic:1"])
+    assert all(r["spec"]["accepted"] == 0 for r in by_proposer["synthetic:0"])
+
+
+def test_injected_output_mismatch_is_invalid(loaded, monkeypatch):
+    from verispec import generate as engine
+    from verispec.spec.verifier import Verdict
+
+    def trusting_verifier(logits, drafts):  # a broken verifier that keeps every draft
+        return Verdict(len(drafts), int(logits[len(drafts)].argmax()), bonus=True)
+
+    monkeypatch.setattr(engine, "verify_greedy", trusting_verifier)
+    records = run_bench(loaded, ["other"], settings=small_settings())
+    spec_runs = [r for r in records if r["spec"]]
+    assert spec_runs and all(r["audit"]["status"] == audit.INVALID for r in spec_runs)
+    assert all(r["audit"]["output"]["margin"] > 1e-3 for r in spec_runs)  # a real difference, no tie
+    rows = report.summarize(records)
+    assert rows[0].verdict.status == audit.INVALID and rows[0].speedup is None  # left out of the speed-up
+
+
+def test_injected_too_fast_timing_is_impossible(loaded, clock, monkeypatch):
+    real_generate = bench.generate
+
+    def slow_baseline(target, prompt, draft=None, **options):  # the target alone timed on a loaded machine
+        clock.extra_s = 0.0 if draft is not None else 0.05
+        try:
+            return real_generate(target, prompt, draft=draft, **options)
+        finally:
+            clock.extra_s = 0.0
+
+    monkeypatch.setattr(bench, "generate", slow_baseline)
+    records = run_bench(loaded, ["synthetic:0"], settings=small_settings(max_tokens=8))
+    spec_runs = [r for r in records if r["spec"]]
+    assert all(r["audit"]["physics"]["status"] == audit.IMPOSSIBLE for r in spec_runs)
+    assert "exceeds 1 + accepted drafts per pass = 1 + 0/" in spec_runs[0]["audit"]["reason"]
+    assert report.summarize(records)[0].verdict.status == audit.IMPOSSIBLE
+
+
+def test_honest_timings_pass_the_physics_rules(loaded, clock):
+    records = run_bench(loaded, ["same", "other", "ngram", "synthetic:0.5", "synthetic:1"], gammas=(2, 6))
+    assert [r["audit"]["status"] for r in records] == [audit.VALID] * len(records)
+    rows = report.summarize(records)
+    assert all(row.verdict.status == audit.VALID and row.excluded == 0 for row in rows)
+    free = next(r for r in rows if r.proposer == "synthetic:1" and r.gamma == 6)
+    assert free.acceptance == 1.0 and free.speedup > 2.0  # free drafts, all kept: several tokens per pass
+    unrelated = next(r for r in rows if r.proposer == "other" and r.gamma == 6)
+    assert unrelated.acceptance < 0.5 and unrelated.speedup < 1.0  # paying for drafts the target rejects
+
+
+def test_bytes_per_pass_of_a_moe_target_count_only_active_experts(tmp_path):
+    import transformers
+
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=tiny.VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=tiny.EOS_ID, bos_token_id=None,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    tiny.randomize(model, 0)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    tiny.write_tokenizer(tmp_path)
+    target = load_model(tmp_path)
+    expert_bytes = 2 * 3 * 8 * 32 * 64 * 4  # layers × projections × experts × width × hidden × float32
+    assert bench.bytes_read_per_pass(target) == target.weight_bytes() - expert_bytes * 6 // 8
+    runner = bench.Bench(target, small_settings(max_tokens=8), label="moe")
+    records = runner.run("p", tiny_prompts(1), bench.spec_configs(["synthetic:1", "synthetic:0"], [4]))
+    assert all(r["audit"]["output"]["status"] == audit.VALID for r in records)
+    assert [r["spec"]["acceptance_rate"] for r in records if r["spec"]] == [1.0, 0.0]
+
+
+# ---------------------------------------------------------------- reports from JSONL alone
+
+
+def fake_run(prompt_id: str, repeat: int, tok_s: float, proposer: str = "baseline", gamma: int = 0,
+             accepted: int = 0, drafted: int = 0) -> dict:
+    """A record as the bench writes it, with chosen numbers: 9 tokens, 5 passes for a speculative run."""
+    spec = None
+    passes = 9
+    if proposer != "baseline":
+        passes = 5
+        spec = {"rounds": passes, "drafted": drafted, "accepted": accepted, "recovered": 8 - accepted, "bonus": 1,
+                "accepted_by_position": [accepted], "drafted_by_position": [drafted],
+                "acceptance_rate": accepted / drafted, "tokens_per_pass": 9 / passes, "draft_s": 0.1,
+                "verify_s": 0.2}
+    return {"key": f"{prompt_id}{proposer}{gamma}{repeat}", "target": "t", "weights": "float32",
+            "prompt_set": "p", "prompt_id": prompt_id, "category": "c", "proposer": proposer,
+            "proposer_kind": "baseline" if proposer == "baseline" else "draft", "gamma": gamma, "adaptive": False,
+            "repeat": repeat, "completion_tokens": 9, "tok_s": tok_s, "target_passes": passes, "spec": spec,
+            "time_split": {"draft_s": 0.08 if spec else 0.0, "target_s": 0.16, "other_s": 0.0},
+            "origins": None, "audit": {"output": {"status": "VALID", "reason": ""}},
+            "machine": {"processor": "test CPU", "threads": 2, "torch": "x", "device": "cpu"}}
+
+
+def test_tables_and_plots_come_from_jsonl_alone(tmp_path, monkeypatch):
+    records = []
+    for repeat, (b1, b2) in enumerate([(10.0, 20.0), (12.0, 18.0), (11.0, 100.0)]):
+        records += [fake_run("1", repeat, b1), fake_run("2", repeat, b2)]
+    for repeat, (s1, s2) in enumerate([(15.0, 22.0), (16.0, 24.0), (17.0, 20.0)]):
+        records += [fake_run("1", repeat, s1, "d", 4, accepted=4, drafted=8),
+                    fake_run("2", repeat, s2, "d", 4, accepted=4, drafted=8)]
+    path = tmp_path / "runs.jsonl"
+    RecordWriter(path, fresh=True).write_all(records)
+
+    def no_models(*args, **kwargs):
+        raise AssertionError("a report must not load models")
+
+    monkeypatch.setattr("verispec.loading.load_model", no_models)
+    built = report.build_report(path, tmp_path / "out")
+    row = built.rows[0]
+    # prompt 1: median 16 / median 11; prompt 2: median 22 / median 20 (the slow outlier does not count)
+    ratios = [16 / 11, 22 / 20]
+    assert row.speedup == pytest.approx(statistics.median(ratios))
+    assert (row.speedup_min, row.speedup_max) == (pytest.approx(min(ratios)), pytest.approx(max(ratios)))
+    assert row.acceptance == 0.5 and row.tokens_per_pass == pytest.approx(9 / 5)
+    text = built.markdown_path.read_text()
+    assert "| Draft length γ | Baseline tok/s | Speculative tok/s | Speedup | Acceptance |" in text
+    assert f"| 4 | 15.50 | 19.00 | {row.speedup:.2f}x ({min(ratios):.2f}–{max(ratios):.2f}) | 50.0% | 1.80 | VALID |" in text
+    for name in report.PLOTS:
+        data = (tmp_path / "out" / name).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 5000
+
+
+def test_report_shows_the_cost_model_prediction_with_a_profile(tmp_path, capsys):
+    from verispec.lab.calibrate import CalibrationProfile, ModelTiming
+    from verispec.lab.costmodel import alpha_from_counts, predict_speedup
+
+    records = [fake_run("1", 0, 10.0), fake_run("1", 0, 15.0, "d", 4, accepted=4, drafted=8)]
+    path = tmp_path / "runs.jsonl"
+    RecordWriter(path, fresh=True).write_all(records)
+    seconds = [0.10, 0.12, 0.13, 0.14, 0.15]
+    profile = CalibrationProfile({"processor": "test"}, 1e10, 1e10, 1e11,
+                                 ModelTiming("t", "float32", 64, [1, 2, 3, 4, 5], seconds),
+                                 ModelTiming("d", "float32", 64, [1], [0.02]))
+    profile.save(tmp_path / "profile.json")
+    row = report.build_report(path, profile=tmp_path / "profile.json").rows[0]
+    expected = predict_speedup(alpha_from_counts(4, 4), 4, 0.02 / 0.10, lambda m: seconds[m - 1] / seconds[0])
+    assert row.predicted == pytest.approx(expected)
+    code, out = run_cli(capsys, "report", path, "--out", tmp_path / "out", "--profile", tmp_path / "profile.json")
+    assert code == 0 and "Predicted" in out and f"{expected:.2f}x" in out
+
+
+def test_report_cli_reaudits_a_doctored_timing(tmp_path, capsys):
+    records = [fake_run("1", 0, 10.0), fake_run("1", 0, 50.0, "d", 4, accepted=0, drafted=16)]
+    path = tmp_path / "runs.jsonl"
+    RecordWriter(path, fresh=True).write_all(records)
+    code, out = run_cli(capsys, "report", path, "--out", tmp_path / "out")
+    assert code == 1 and "IMPOSSIBLE" in out
+    assert (tmp_path / "out" / "results.md").is_file()
+
+
+# ---------------------------------------------------------------- sweep
+
+
+class Killed(Exception):
+    pass
+
+
+def test_sweep_resumes_without_rerunning_finished_runs(models, prompt_file, tmp_path, monkeypatch):
+    config = sweep.sweep_config_from_dict({
+        "targets": [str(models / "target")], "proposers": ["ngram", "synthetic:0.5"], "gammas": [2, 3],
+        "prompts": [str(prompt_file)], "limit": 2, "max_tokens": 6, "repeats": 1, "warmup": False,
+        "out": str(tmp_path / "sweep.jsonl")})
+    total = 2 * (1 + 4)  # prompts × (baseline + proposers × γ)
+
+    def kill_after(n: int):
+        seen = []
+
+        def on_record(record: dict) -> None:
+            seen.append(record)
+            if len(seen) == n:
+                raise Killed
+        return on_record
+
+    with pytest.raises(Killed):
+        sweep.run_sweep(config, on_record=kill_after(4))
+    assert len(read_records(config.out)) == 4
+    with open(config.out, "a") as f:
+        f.write('{"key": "torn')  # a write cut short by the kill
+    resumed = sweep.run_sweep(config)
+    assert (resumed.total, resumed.executed, resumed.skipped) == (total, total - 4, 4)
+    keys = [r["key"] for r in read_records(config.out)]
+    assert len(keys) == total == len(set(keys))
+
+    monkeypatch.setattr(sweep, "load_for_bench", lambda *a, **k: pytest.fail("a finished sweep loads no model"))
+    again = sweep.run_sweep(config)
+    assert (again.executed, again.skipped) == (0, total)
+
+
+def test_sweep_config_errors(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("targets: [x]\nproposers: [ngram]\ngamas: [4]\n")
+    with pytest.raises(VerispecError, match="unknown key"):
+        sweep.load_sweep_config(path)
+    path.write_text("targets: [x]\nproposers: [synthetic:2]\n")
+    with pytest.raises(VerispecError, match="synthetic acceptance takes a probability"):
+        sweep.load_sweep_config(path)
+
+
+# ---------------------------------------------------------------- CLI: bench and the demo
+
+
+def test_bench_cli(models, prompt_file, tmp_path, capsys, clock):
+    out = tmp_path / "bench.jsonl"
+    code, text = run_cli(capsys, "bench", "--model", models / "target", "--draft", models / "same", "ngram",
+                         "--gamma", "2", "4", "--prompts", prompt_file, "--limit", "2", "--max-tokens", "8",
+                         "--repeats", "1", "--no-warmup", "--out", out)
+    assert code == 0
+    assert len(read_records(out)) == 2 * (1 + 4)
+    assert "Draft length γ" in text and "per run" in text
+
+
+def test_demo_end_to_end_on_tiny_models(models, prompt_file, tmp_path, capsys, clock):
+    out = tmp_path / "demo.jsonl"
+    code, text = run_cli(capsys, "demo", "--model", models / "target", "--draft", models / "same",
+                         "--prompts", prompt_file, "--limit", "2", "--max-tokens", "8", "--out", out)
+    records = read_records(out)
+    assert len(records) == 2 * 3  # prompts × (baseline, draft model, prompt lookup)
+    assert all(r["audit"]["output"]["status"] == audit.VALID for r in records)
+    assert "audited results" in text and "kept draft" in text and "Draft length γ" in text
+    rows = report.summarize(records)
+    assert {r.proposer for r in rows} == {str(models / "same"), "ngram"}
+    assert code == 0 and all(r.verdict.status == audit.VALID for r in rows)
