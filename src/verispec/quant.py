@@ -1,54 +1,329 @@
-"""Weight formats: float32/bfloat16/float16 as they are, int8 per-channel and int4 group-wise.
+"""Weight formats, chosen at load: float32 / bfloat16 / float16 as they are, int8 weight-only
+with one scale per output channel, and int4 in groups of 32 with a float16 scale and offset
+per group (w = s*q + z, q in 0..15).
 
-`quantize_model` swaps every nn.Linear in the decoder blocks for a quantised one.
+`quantize_model(model, fmt)` swaps every projection of the decoder blocks, and the output
+layer, for a `PackedLinear` of that format, and fuses q/k/v and gate/up into one product
+each. A PackedLinear runs the hand-written kernel (verispec.kernels) for the few rows of a
+decoding step or a verification pass, and PyTorch for long prompts or without the kernels.
+
+int4 weights come straight from a GGUF file's 4-bit blocks where it has them: Q4_0, Q4_1
+and Q4_K blocks are exactly s*q + z per 32 weights, so they are repacked without passing
+through float32 (only the scale and offset are rounded to float16). Tensors stored at
+higher precision (Q5_0, Q6_K, Q8_0, float) are quantised to 4 bits from their values.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verispec.kernels import cpu_kernels
 
-class Int8Linear(nn.Module):
-    """Weight-only int8 with one float scale per output channel."""
+FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
+FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GROUP = 32  # int4 group size along the input features
+KERNEL_MAX_ROWS = 64  # more rows (a long prompt) go to a dense GEMM instead
 
-    def __init__(self, linear: nn.Linear):
+
+class PackedLinear(nn.Module):
+    """y = x·Wᵀ (+ bias) (+ residual) with W kept in one weight format.
+
+    Subclasses store their tensors as buffers (so `.to(device)` and weight counts see them)
+    and say how to run the kernel and how to get W back in float32.
+    """
+
+    fmt = "?"
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
         super().__init__()
-        w = linear.weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-        self.register_buffer("weight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scale", scale.to(linear.weight.dtype))
-        self.bias = linear.bias
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
-        out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.weight, self.scale)
-        out = out.reshape(*shape[:-1], self.out_features)
-        return out + self.bias if self.bias is not None else out
+        rows = x.reshape(-1, shape[-1])
+        kernels = cpu_kernels() if x.device.type == "cpu" else None
+        if kernels is not None and rows.shape[0] <= KERNEL_MAX_ROWS and self.kernel_ready():
+            res = None if residual is None else residual.reshape(-1, self.out_features).float().contiguous()
+            y = self.kernel(kernels, rows.float().contiguous(), res)
+        else:
+            y = self.torch_product(rows)
+            if residual is not None:
+                y = y + residual.reshape(-1, self.out_features).to(y.dtype)
+        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def torch_product(self, rows: torch.Tensor) -> torch.Tensor:
+        """The reference path: PyTorch's own product with the float32 weights."""
+        y = F.linear(rows.float(), self.dense_weight())
+        return y + self.bias if self.bias is not None else y
+
+    def kernel_ready(self) -> bool:
+        return self.in_features % 32 == 0
+
+    def kernel(self, kernels, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dense_weight(self) -> torch.Tensor:
+        """W as float32 [out, in]."""
+        raise NotImplementedError
+
+    def packed(self) -> list[torch.Tensor]:
+        """The tensors that hold W, row-major in the output dimension (for fusing)."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.fmt}, bias={self.bias is not None}"
+
+
+class FloatLinear(PackedLinear):
+    """float32, bfloat16 or float16 weights as they are."""
+
+    STORED = ("weight",)
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(weight.shape[1], weight.shape[0], bias)
+        self.register_buffer("weight", weight.detach().contiguous())
+        self.fmt = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[weight.dtype]
+
+    def kernel(self, kernels, x, residual):
+        return kernels.linear_float(x, self.weight, self.bias, residual)
+
+    def torch_product(self, rows):
+        if self.weight.dtype == torch.float32 or rows.dtype == self.weight.dtype:
+            y = F.linear(rows.to(self.weight.dtype), self.weight)
+            return (y + self.bias.to(y.dtype)) if self.bias is not None else y
+        return super().torch_product(rows)
+
+    def dense_weight(self):
+        return self.weight.float()
+
+    def packed(self):
+        return [self.weight]
+
+
+class Int8Linear(PackedLinear):
+    """Weight-only int8, symmetric, one float32 scale per output channel."""
+
+    fmt = "int8"
+    STORED = ("weight", "scale")
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(weight.shape[1], weight.shape[0], bias)
+        self.register_buffer("weight", weight.contiguous())
+        self.register_buffer("scale", scale.float().contiguous())
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(q, scale, bias)
+
+    def kernel(self, kernels, x, residual):
+        return kernels.linear_int8(x, self.weight, self.scale, self.bias, residual)
+
+    def torch_product(self, rows):
+        if rows.device.type == "cpu":  # PyTorch's own weight-only int8 kernel
+            y = torch.ops.aten._weight_int8pack_mm(rows.float().contiguous(), self.weight, self.scale)
+            return y + self.bias if self.bias is not None else y
+        return super().torch_product(rows)
+
+    def dense_weight(self):
+        return self.weight.float() * self.scale[:, None]
+
+    def packed(self):
+        return [self.weight, self.scale]
+
+
+class Int4Linear(PackedLinear):
+    """4-bit groups of 32: `nibbles` [out, in/2] uint8 (byte j of a group: weight j low,
+    weight j+16 high) and `scales` [out, in/32, 2] float16 (scale s, offset z; w = s*q + z)."""
+
+    fmt = "int4"
+    STORED = ("nibbles", "scales")
+
+    def __init__(self, nibbles: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(nibbles.shape[1] * 2, nibbles.shape[0], bias)
+        self.register_buffer("nibbles", nibbles.contiguous())
+        self.register_buffer("scales", scales.to(torch.float16).contiguous())
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int4Linear":
+        return cls(*int4_from_float(weight), bias)
+
+    def kernel(self, kernels, x, residual):
+        return kernels.linear_int4(x, self.nibbles, self.scales, self.bias, residual)
+
+    def dense_weight(self):
+        kernels = cpu_kernels() if self.nibbles.device.type == "cpu" else None
+        if kernels is not None:
+            return kernels.dequantize_int4(self.nibbles, self.scales)
+        return int4_to_float(self.nibbles, self.scales)
+
+    def packed(self):
+        return [self.nibbles, self.scales]
+
+
+# ------------------------------------------------------------------ int4 packing
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """q [..., groups, 32] in 0..15 -> bytes [..., groups, 16]: byte j = q[j] | q[j+16] << 4."""
+    q = q.astype(np.uint8)
+    return q[..., :16] | (q[..., 16:] << 4)
+
+
+def int4_to_float(nibbles: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    out_features = nibbles.shape[0]
+    groups = nibbles.reshape(out_features, -1, 16)
+    q = torch.cat([groups & 15, groups >> 4], dim=-1).float()
+    s, z = scales.float().unbind(-1)
+    return torch.addcmul(z[..., None], q, s[..., None]).reshape(out_features, -1)
+
+
+def int4_from_float(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit quantisation per group of 32: s = (max - min)/15, z = min."""
+    w = weight.detach().float()
+    rows, cols = w.shape
+    if cols % GROUP:
+        raise ValueError(f"int4 needs the input size to be a multiple of {GROUP}, got {cols}")
+    g = w.reshape(rows, cols // GROUP, GROUP)
+    low, high = g.amin(-1), g.amax(-1)
+    scale = ((high - low) / 15).to(torch.float16).float()
+    offset = low.to(torch.float16).float()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((g - offset[..., None]) / safe[..., None]).clamp(0, 15)
+    nibbles = torch.from_numpy(_pack_nibbles(q.to(torch.uint8).numpy())).reshape(rows, cols // 2)
+    return nibbles, torch.stack([scale, offset], -1).to(torch.float16)
+
+
+def _halves(blocks: np.ndarray, at: int) -> np.ndarray:
+    return blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 6-bit scales and mins of Q4_K's 8 sub-blocks, from its 12 packed bytes."""
+    s = packed.astype(np.uint8)
+    low_sc, low_min = s[..., 0:4] & 63, s[..., 4:8] & 63
+    high_sc = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
+    high_min = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return (np.concatenate([low_sc, high_sc], -1).astype(np.float32),
+            np.concatenate([low_min, high_min], -1).astype(np.float32))
+
+
+def int4_from_gguf(tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Repack a GGUF Q4_0 / Q4_1 / Q4_K tensor as (nibbles, scales); None for other types."""
+    kind = tensor.tensor_type.name
+    rows, cols = int(tensor.shape[1]), int(tensor.shape[0])
+    data = np.asarray(tensor.data).reshape(rows, -1)
+    if kind in ("Q4_0", "Q4_1"):
+        blocks = data.reshape(rows, cols // 32, 18 if kind == "Q4_0" else 20)
+        d = _halves(blocks, 0)
+        nibbles = blocks[..., 2:18] if kind == "Q4_0" else blocks[..., 4:20]
+        scale, offset = (d, -8.0 * d) if kind == "Q4_0" else (d, _halves(blocks, 2))
+    elif kind == "Q4_K":
+        blocks = data.reshape(rows, cols // 256, 144)
+        d, dmin = _halves(blocks, 0), _halves(blocks, 2)
+        sc, mn = _q4_k_scales(blocks[..., 4:16])
+        scale = (d[..., None] * sc).reshape(rows, -1)
+        offset = (-dmin[..., None] * mn).reshape(rows, -1)
+        # each 32-byte chunk holds sub-block 2c in its low nibbles and 2c+1 in its high ones
+        qs = blocks[..., 16:].reshape(rows, cols // 256, 4, 1, 32)
+        q = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(rows, cols // 32, 32)
+        nibbles = _pack_nibbles(q)
+    else:
+        return None
+    scales = np.stack([scale, offset], -1).astype(np.float16)
+    return (torch.from_numpy(np.ascontiguousarray(nibbles).reshape(rows, cols // 2)),
+            torch.from_numpy(np.ascontiguousarray(scales)))
+
+
+# ------------------------------------------------------------------ building and fusing
+
+def pack_linear(linear: nn.Linear, fmt: str, gguf_tensor=None) -> PackedLinear:
+    """One nn.Linear in the weight format `fmt` (int4 from GGUF blocks when it can)."""
+    bias = linear.bias
+    if fmt == "int4":
+        if linear.in_features % GROUP:
+            return Int8Linear.from_float(linear.weight, bias)  # no whole groups: int8 instead
+        packed = int4_from_gguf(gguf_tensor) if gguf_tensor is not None else None
+        return Int4Linear(*packed, bias) if packed is not None else Int4Linear.from_float(linear.weight, bias)
+    if fmt == "int8":
+        return Int8Linear.from_float(linear.weight, bias)
+    if fmt in FLOAT_DTYPES:
+        return FloatLinear(linear.weight.to(FLOAT_DTYPES[fmt]), bias)
+    raise ValueError(f"unknown weight format {fmt!r}; choose from {', '.join(FORMATS)}")
+
+
+def fuse(parts: Sequence[PackedLinear]) -> PackedLinear:
+    """One product whose outputs are the parts' outputs side by side."""
+    kinds = {type(p) for p in parts}
+    if len(kinds) > 1:  # mixed formats (int4 and an int8 fallback): keep int8 for all
+        parts = [p if isinstance(p, Int8Linear) else Int8Linear.from_float(p.dense_weight(), p.bias)
+                 for p in parts]
+    biases = [p.bias for p in parts]
+    if any(b is not None for b in biases):
+        bias = torch.cat([b if b is not None else torch.zeros(p.out_features) for b, p in zip(biases, parts)])
+    else:
+        bias = None
+    tensors = [torch.cat(group, dim=0) for group in zip(*(p.packed() for p in parts))]
+    return type(parts[0])(*tensors, bias)
+
+
+def _linear_children(module: nn.Module, names: Sequence[str]) -> list[nn.Linear] | None:
+    children = [getattr(module, n, None) for n in names]
+    return children if all(isinstance(c, nn.Linear) for c in children) else None
 
 
 def quantize_model(model: nn.Module, fmt: str, gguf_tensors: dict | None = None) -> nn.Module:
-    if fmt != "int8":
-        raise NotImplementedError(f"weight format {fmt}")
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and child_name != "lm_head":
-                setattr(module, child_name, Int8Linear(child))
+    """Put every projection of `model` in weight format `fmt`, in place.
+
+    q/k/v become one `qkv_proj` and gate/up one `gate_up_proj` (fewer, larger products); a
+    tied output layer gets its own packed copy of the embedding. `gguf_tensors` maps weight
+    names to raw GGUF tensors, which int4 repacks directly.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r}; choose from {', '.join(FORMATS)}")
+    gguf_tensors = gguf_tensors or {}
+
+    def pack(prefix: str, name: str, linear: nn.Linear) -> PackedLinear:
+        return pack_linear(linear, fmt, gguf_tensors.get(f"{prefix}{name}.weight"))
+
+    for prefix, module in list(model.named_modules()):
+        prefix = f"{prefix}." if prefix else ""
+        for fused, names in getattr(type(module), "FUSED", {}).items():
+            children = _linear_children(module, names)
+            if children is not None:
+                setattr(module, fused, fuse([pack(prefix, n, c) for n, c in zip(names, children)]))
+                for n in names:
+                    delattr(module, n)
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, pack(prefix, name, child))
+    if getattr(model, "lm_head", "absent") is None and hasattr(model, "model"):
+        embedding = model.model.embed_tokens.weight
+        head = nn.Linear(embedding.shape[1], embedding.shape[0], bias=False)
+        head.weight = nn.Parameter(embedding, requires_grad=False)
+        model.lm_head = pack_linear(head, fmt)  # float formats share the embedding's storage
+    from verispec.fast import attach_fast_path
+    attach_fast_path(model)
     return model
 
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes one decoding step reads: every weight except the embedding lookup table
-    (which counts once more when it doubles as the output layer)."""
+    (which counts when it doubles as the output layer). Storage shared by two names counts once."""
     total = 0
+    seen: set[int] = set()
+    has_head = getattr(model, "lm_head", None) is not None
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        if "rope_" in name:
+        if "rope_" in name or (has_head and name.endswith("embed_tokens.weight")):
             continue
-        if name.endswith("embed_tokens.weight"):
-            if getattr(model, "lm_head", None) is None:
-                total += tensor.numel() * tensor.element_size()
-            continue
-        total += tensor.numel() * tensor.element_size()
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
     return total

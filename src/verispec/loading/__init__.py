@@ -94,8 +94,15 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
     if device.type == "cuda" and not torch.cuda.is_available():
         raise VerispecError("--device cuda was asked for, but no CUDA device is available")
     path = resolve(spec)
+    fmt = weights or {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    if fmt not in ("int8", "int4") and fmt not in DTYPES:
+        raise VerispecError(f"unknown weight format {fmt!r}; choose from float32, bfloat16, float16, int8, int4")
+    from verispec.kernels import cpu_kernels
+    # float formats are packed too on the CPU: fused projections on the fast kernels
+    packed = fmt in ("int8", "int4") or (device.type == "cpu" and cpu_kernels() is not None)
     meta: dict = {}
     quantized: dict = {}
+    cached = entry = None
     if path.is_dir():
         from verispec.loading.hf_folder import load_state, read_config
         from verispec.loading.tokenizer import from_hf_folder
@@ -105,25 +112,33 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
         state = load_state(path, dtype)
         tokenizer = from_hf_folder(path, config.eos_token_ids)
     elif _is_gguf(path):
+        from verispec.loading import weight_cache
         from verispec.loading.gguf_file import load_gguf
         from verispec.loading.tokenizer import from_gguf
 
-        config, state, meta, quantized = load_gguf(path, dtype, keep_quantized=weights == "int4")
-        tokenizer = from_gguf(path, meta)
+        entry = weight_cache.entry_path(path, fmt, dtype) if packed else None
+        cached = weight_cache.load(entry) if entry is not None and entry.is_file() else None
+        if cached is not None:
+            cached, config, tokenizer = cached
+        else:
+            config, state, meta, quantized = load_gguf(path, dtype, keep_quantized=fmt == "int4")
+            tokenizer = from_gguf(path, meta)
     else:
         raise CorruptModelError(f"{path}: neither a GGUF file nor a Hugging Face folder")
     if not tokenizer.eos_ids:
         tokenizer.eos_ids = config.eos_token_ids
-    model = _build(config, state, path)
+    model = cached if cached is not None else _build(config, state, path)
     model.to(device)
     model.eval()
     model.requires_grad_(False)
-    fmt = weights or {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-    if fmt in ("int8", "int4"):
+    if cached is not None:
+        from verispec.fast import attach_fast_path
+        attach_fast_path(model)
+    elif packed:
         from verispec.quant import quantize_model
         quantize_model(model, fmt, gguf_tensors=quantized)
-    elif fmt not in DTYPES:
-        raise VerispecError(f"unknown weight format {fmt!r}; choose from float32, bfloat16, float16, int8, int4")
+        if entry is not None:
+            weight_cache.store(entry, model, config, tokenizer)
     name = str(spec) if str(spec) in DEMO_MODELS else path.name
     return LoadedModel(name, path, model, tokenizer, config, time.perf_counter() - started,
                        dtype, device, fmt, {"gguf_metadata_keys": len(meta)})

@@ -126,6 +126,9 @@ def causal_mask(start: int, length: int, device: torch.device, window: int | Non
 class Attention(nn.Module):
     """Grouped-query attention with optional QKV bias, q/k norm and a sliding window."""
 
+    # projections a weight format may fuse into one product (verispec.quant)
+    FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+
     def __init__(self, config: ModelConfig, layer_index: int):
         super().__init__()
         self.layer_index = layer_index
@@ -149,9 +152,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start: int) -> torch.Tensor:
         batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "qkv_proj"):
+            kv_width = self.num_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(batch, length, self.num_heads, self.head_dim)
+        k = k.view(batch, length, self.num_kv_heads, self.head_dim)
+        v = v.view(batch, length, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -169,6 +177,8 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
+    FUSED = {"gate_up_proj": ("gate_proj", "up_proj")}
+
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
@@ -176,4 +186,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "gate_up_proj"):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -55,6 +55,7 @@ class CausalLM(nn.Module):
         # rotary tables are plain attributes, built for the longest cache asked for so far
         self._rope_len = 0
         self.rope_cos = self.rope_sin = None
+        self.fast_path = None  # verispec.fast attaches a lean forward for packed weights
 
     # -- cache
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
@@ -77,6 +78,10 @@ class CausalLM(nn.Module):
 
     # -- forward
     def forward(self, tokens: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
+        if self.fast_path is not None:
+            logits = self.fast_path(tokens, cache, last_only)
+            if logits is not None:
+                return logits
         start = cache.length
         length = tokens.shape[1]
         if start + length > cache.max_len:

@@ -1,0 +1,64 @@
+"""Hand-written CPU kernels (cpu_kernels.cpp), compiled for this processor on first use.
+
+Everything that uses them has a plain PyTorch path, taken when the kernels are switched
+off (`VERISPEC_KERNELS=0` or `set_enabled(False)`), when the compiler is missing or the
+build fails (a one-line warning says why), or when tensors are not on the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+_enabled = os.environ.get("VERISPEC_KERNELS", "1") != "0"
+
+
+def set_enabled(flag: bool) -> None:
+    """Switch the kernels on or off for this process (the plain path is the reference)."""
+    global _enabled
+    _enabled = flag
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on, so a build is never reused on a different processor."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+@functools.cache
+def _build() -> ModuleType | None:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        digest = hashlib.sha1(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()
+                              + _cpu_signature().encode()).hexdigest()[:12]
+        return load(name=f"verispec_cpu_{digest}", sources=[str(_SOURCE)], extra_cflags=_FLAGS,
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler, no ninja, an old processor: fall back, say why once
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        warnings.warn(f"verispec: fast CPU kernels unavailable, using PyTorch ops ({first_line})",
+                      RuntimeWarning, stacklevel=3)
+        return None
+
+
+def cpu_kernels() -> ModuleType | None:
+    """The compiled kernel module, or None when they are off or could not be built."""
+    return _build() if _enabled else None

@@ -1,0 +1,555 @@
+// Small-batch CPU kernels for decoding: weight-streaming matrix products and cached attention.
+//
+// y[m, n] = x[m, k] . W[n, k]^T for the few rows of a decoding step or a verification pass.
+// A block of output columns is read from memory once and used for every row, so a pass
+// over m positions costs about what one position costs while memory is the limit.
+//
+// Batch invariance: every output value is accumulated in the same order whatever m is and
+// whatever tile it falls in, so row i of an m-row pass is bit-identical to a 1-row pass
+// over that row. A verification pass therefore computes exactly the logits that plain
+// decoding would, and greedy speculative output cannot drift from the baseline.
+//
+// Built with -ffp-contract=off: every fused multiply-add below is written out, so the
+// compiler cannot fuse differently in different template instances.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// ------------------------------------------------------------------ SIMD layer
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int kLanes = 16;
+constexpr int kCols = 4;     // output columns per tile
+constexpr int kMaxRows = 5;  // rows per tile
+using vfloat = __m512;
+inline vfloat vzero() { return _mm512_setzero_ps(); }
+inline vfloat vset1(float v) { return _mm512_set1_ps(v); }
+inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
+inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
+inline vfloat vmax(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
+inline float vsum(vfloat v) {
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+inline float vmaxall(vfloat v) { return _mm512_reduce_max_ps(v); }
+inline vfloat load_bf16(const uint16_t* p) {
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline vfloat load_f16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline vfloat load_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// kLanes bytes of packed nibbles: low nibbles -> lo, high nibbles -> hi
+inline void load_u4(const uint8_t* p, vfloat& lo, vfloat& hi) {
+  __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
+  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+}
+// 2^n * x for whole-number n (the exponent step of exp)
+inline vfloat vscale2(vfloat x, vfloat n) { return _mm512_scalef_ps(x, n); }
+inline vfloat vround(vfloat x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int kLanes = 8;
+constexpr int kCols = 2;
+constexpr int kMaxRows = 3;
+using vfloat = __m256;
+inline vfloat vzero() { return _mm256_setzero_ps(); }
+inline vfloat vset1(float v) { return _mm256_set1_ps(v); }
+inline vfloat vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vfloat v) { _mm256_storeu_ps(p, v); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
+inline vfloat vadd(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
+inline vfloat vmax(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }
+inline float vsum(vfloat v) {
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+inline float vmaxall(vfloat v) {
+  __m128 q = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  q = _mm_max_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_max_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+inline vfloat load_bf16(const uint16_t* p) {
+  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline vfloat load_f16(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline vfloat load_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline void load_u4(const uint8_t* p, vfloat& lo, vfloat& hi) {
+  __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
+  hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+}
+inline vfloat vscale2(vfloat x, vfloat n) {
+  __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(x, _mm256_castsi256_ps(bits));
+}
+inline vfloat vround(vfloat x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+#else
+#error "verispec kernels need AVX2, FMA and F16C (or AVX-512)"
+#endif
+
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+// exp(x) for x <= 0 (softmax after subtracting the maximum); relative error ~2e-7
+inline vfloat vexp(vfloat x) {
+  x = vmax(x, vset1(-87.0f));
+  vfloat n = vround(vmul(x, vset1(1.44269504088896341f)));
+  vfloat r = vfma(n, vset1(-0.693145751953125f), x);  // Cody-Waite: ln2 = hi + lo
+  r = vfma(n, vset1(-1.428606765330187045e-06f), r);
+  vfloat p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  p = vfma(vmul(p, r), r, vadd(r, vset1(1.0f)));
+  return vscale2(p, n);
+}
+
+// ------------------------------------------------------------------ weight formats
+//
+// Each format loads the dequantised weights of one column at k-offset kk as kParts
+// vectors, and names where the matching activations are. `prepare` runs once per tile
+// column before its k loop (the int4 format converts its scales there).
+
+struct F32Weights {
+  static constexpr int kStep = kLanes, kParts = 1;
+  const float* w;
+  int64_t k;
+  struct Column { const float* w; };
+  Column column(int64_t col, float*) const { return {w + col * k}; }
+  static void load(const Column& c, int64_t kk, vfloat* out) { out[0] = vload(c.w + kk); }
+  static int64_t x_offset(int64_t kk, int) { return kk; }
+  float finish(int64_t, float sum) const { return sum; }
+};
+
+template <bool kBrain>  // bfloat16 or float16
+struct HalfWeights {
+  static constexpr int kStep = kLanes, kParts = 1;
+  const uint16_t* w;
+  int64_t k;
+  struct Column { const uint16_t* w; };
+  Column column(int64_t col, float*) const { return {w + col * k}; }
+  static void load(const Column& c, int64_t kk, vfloat* out) {
+    out[0] = kBrain ? load_bf16(c.w + kk) : load_f16(c.w + kk);
+  }
+  static int64_t x_offset(int64_t kk, int) { return kk; }
+  float finish(int64_t, float sum) const { return sum; }
+};
+
+// int8 with one scale per output channel: the scale is applied once, to the finished sum
+struct Int8Weights {
+  static constexpr int kStep = kLanes, kParts = 1;
+  const int8_t* w;
+  const float* scale;
+  int64_t k;
+  struct Column { const int8_t* w; };
+  Column column(int64_t col, float*) const { return {w + col * k}; }
+  static void load(const Column& c, int64_t kk, vfloat* out) { out[0] = load_i8(c.w + kk); }
+  static int64_t x_offset(int64_t kk, int) { return kk; }
+  float finish(int64_t col, float sum) const { return sum * scale[col]; }
+};
+
+// 4-bit, groups of 32 along k: 16 bytes per group (byte j holds weight j in its low nibble
+// and weight j+16 in its high nibble, the layout of GGUF's Q4_0/Q4_1 blocks) and two
+// float16 numbers per group, scale s and offset z: w = s*q + z.
+constexpr int kGroup = 32;
+struct Int4Weights {
+  static constexpr int kStep = 2 * kLanes, kParts = 2;
+  const uint8_t* q;
+  const uint16_t* scales;  // [n, k/32, 2]
+  int64_t k;
+  struct Column { const uint8_t* q; const float* sz; };
+  // converts the column's scales once into `scratch` (2 * k/32 floats)
+  Column column(int64_t col, float* scratch) const {
+    const int64_t groups = k / kGroup;
+    const uint16_t* src = scales + col * groups * 2;
+    int64_t i = 0;
+    for (; i + kLanes <= groups * 2; i += kLanes) vstore(scratch + i, load_f16(src + i));
+    for (; i < groups * 2; ++i) scratch[i] = half_to_float(src[i]);
+    return {q + col * (k / 2), scratch};
+  }
+  static void load(const Column& c, int64_t kk, vfloat* out) {
+    const int64_t group = kk / kGroup, half = (kk % kGroup) / 2;
+    vfloat lo, hi;
+    load_u4(c.q + group * (kGroup / 2) + half, lo, hi);
+    const vfloat s = vset1(c.sz[2 * group]), z = vset1(c.sz[2 * group + 1]);
+    out[0] = vfma(lo, s, z);
+    out[1] = vfma(hi, s, z);
+  }
+  static int64_t x_offset(int64_t kk, int part) {
+    return (kk / kGroup) * kGroup + (kk % kGroup) / 2 + part * (kGroup / 2);
+  }
+  float finish(int64_t, float sum) const { return sum; }
+};
+
+// ------------------------------------------------------------------ the product
+
+// rows [0, R) x columns [col0, col0 + C) of y, over the full k
+template <class Fmt, int R, int C>
+inline void tile(const Fmt& f, const typename Fmt::Column* cols, const float* x, int64_t ldx,
+                 int64_t col0, float* y, int64_t ldy, const float* bias, const float* residual,
+                 int64_t ldr) {
+  vfloat acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = vzero();
+  for (int64_t kk = 0; kk < f.k; kk += Fmt::kStep) {
+    vfloat w[C][Fmt::kParts];
+    for (int c = 0; c < C; ++c) Fmt::load(cols[c], kk, w[c]);
+    for (int p = 0; p < Fmt::kParts; ++p) {
+      const int64_t xo = Fmt::x_offset(kk, p);
+      for (int r = 0; r < R; ++r) {
+        const vfloat xv = vload(x + r * ldx + xo);
+        for (int c = 0; c < C; ++c) acc[r][c] = vfma(xv, w[c][p], acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      const int64_t col = col0 + c;
+      float v = f.finish(col, vsum(acc[r][c]));
+      if (bias) v += bias[col];
+      if (residual) v += residual[r * ldr + col];
+      y[r * ldy + col] = v;
+    }
+}
+
+template <class Fmt, int C>
+inline void tile_rows(const Fmt& f, const typename Fmt::Column* cols, const float* x, int64_t ldx,
+                      int64_t rows, int64_t col0, float* y, int64_t ldy, const float* bias,
+                      const float* residual, int64_t ldr) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+    const int64_t n = std::min<int64_t>(kMaxRows, rows - r0);
+    const float* xr = x + r0 * ldx;
+    float* yr = y + r0 * ldy;
+    const float* rr = residual ? residual + r0 * ldr : nullptr;
+    switch (n) {
+      case 1: tile<Fmt, 1, C>(f, cols, xr, ldx, col0, yr, ldy, bias, rr, ldr); break;
+      case 2: tile<Fmt, 2, C>(f, cols, xr, ldx, col0, yr, ldy, bias, rr, ldr); break;
+      case 3: tile<Fmt, 3, C>(f, cols, xr, ldx, col0, yr, ldy, bias, rr, ldr); break;
+#if defined(__AVX512F__)
+      case 4: tile<Fmt, 4, C>(f, cols, xr, ldx, col0, yr, ldy, bias, rr, ldr); break;
+#endif
+      default: tile<Fmt, kMaxRows, C>(f, cols, xr, ldx, col0, yr, ldy, bias, rr, ldr); break;
+    }
+  }
+}
+
+template <class Fmt>
+void matmul(const Fmt& f, const float* x, int64_t m, int64_t n, float* y, const float* bias,
+            const float* residual) {
+  const int64_t blocks = (n + kCols - 1) / kCols;
+  const int64_t scratch_per_col = 2 * (f.k / kGroup) + 1;
+  // small products run on one thread: waking the others would cost more than it saves
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kCols * f.k * std::max<int64_t>(1, m)));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(kCols * scratch_per_col);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t col0 = b * kCols;
+      const int width = static_cast<int>(std::min<int64_t>(kCols, n - col0));
+      typename Fmt::Column cols[kCols];
+      for (int c = 0; c < width; ++c) cols[c] = f.column(col0 + c, scratch.data() + c * scratch_per_col);
+      if (width == kCols) {
+        tile_rows<Fmt, kCols>(f, cols, x, f.k, m, col0, y, n, bias, residual, n);
+      } else {
+        for (int c = 0; c < width; ++c)
+          tile_rows<Fmt, 1>(f, cols + c, x, f.k, m, col0 + c, y, n, bias, residual, n);
+      }
+    }
+  });
+}
+
+void check_input(const at::Tensor& x, int64_t k, int64_t step) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous 2-D float32 CPU tensor");
+  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " features, the weights expect ", k);
+  TORCH_CHECK(k % step == 0, "k = ", k, " must be a multiple of ", step);
+}
+
+const float* optional_ptr(const c10::optional<at::Tensor>& t, int64_t numel) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == numel,
+              "bias/residual must be contiguous float32 with ", numel, " elements");
+  return t->data_ptr<float>();
+}
+
+template <class Fmt>
+at::Tensor run(const Fmt& f, const at::Tensor& x, int64_t n, const c10::optional<at::Tensor>& bias,
+               const c10::optional<at::Tensor>& residual) {
+  const int64_t m = x.size(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+  matmul(f, x.data_ptr<float>(), m, n, y.data_ptr<float>(), optional_ptr(bias, n),
+         optional_ptr(residual, m * n));
+  return y;
+}
+
+// ------------------------------------------------------------------ bindings: products
+
+at::Tensor linear_float(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                        const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "weight must be contiguous 2-D");
+  const int64_t n = w.size(0), k = w.size(1);
+  check_input(x, k, kLanes);
+  switch (w.scalar_type()) {
+    case at::kFloat: return run(F32Weights{w.data_ptr<float>(), k}, x, n, bias, residual);
+    case at::kBFloat16:
+      return run(HalfWeights<true>{reinterpret_cast<const uint16_t*>(w.data_ptr()), k}, x, n, bias, residual);
+    case at::kHalf:
+      return run(HalfWeights<false>{reinterpret_cast<const uint16_t*>(w.data_ptr()), k}, x, n, bias, residual);
+    default: TORCH_CHECK(false, "unsupported weight dtype ", w.scalar_type());
+  }
+}
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous(), "int8 weight expected");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == w.size(0), "one float32 scale per row");
+  const int64_t n = w.size(0), k = w.size(1);
+  check_input(x, k, kLanes);
+  return run(Int8Weights{w.data_ptr<int8_t>(), scale.data_ptr<float>(), k}, x, n, bias, residual);
+}
+
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 2 && q.is_contiguous(), "uint8 nibbles expected");
+  const int64_t n = q.size(0), k = q.size(1) * 2;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+              scales.numel() == n * (k / kGroup) * 2, "float16 scales [n, k/32, 2] expected");
+  check_input(x, k, kGroup);
+  return run(Int4Weights{q.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()), k},
+             x, n, bias, residual);
+}
+
+// The float32 weights the int4 product uses (for long prefills, which go to a dense GEMM).
+at::Tensor dequantize_int4(const at::Tensor& q, const at::Tensor& scales) {
+  const int64_t n = q.size(0), k = q.size(1) * 2, groups = k / kGroup;
+  at::Tensor out = at::empty({n, k}, at::kFloat);
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row)
+      for (int64_t g = 0; g < groups; ++g) {
+        const float s = half_to_float(sp[(row * groups + g) * 2]), z = half_to_float(sp[(row * groups + g) * 2 + 1]);
+        const uint8_t* b = qp + row * (k / 2) + g * (kGroup / 2);
+        float* dst = op + row * k + g * kGroup;
+        for (int j = 0; j < kGroup / 2; ++j) {
+          dst[j] = std::fma(static_cast<float>(b[j] & 15), s, z);
+          dst[j + kGroup / 2] = std::fma(static_cast<float>(b[j] >> 4), s, z);
+        }
+      }
+  });
+  return out;
+}
+
+// ------------------------------------------------------------------ pointwise
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2 && gate_up.is_contiguous(),
+              "contiguous float32 [m, 2*i] expected");
+  const int64_t m = gate_up.size(0), inner = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({m, inner}, gate_up.options());
+  const float* src = gate_up.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t i = 0; i < inner; ++i) {
+      const float g = src[r * 2 * inner + i], u = src[r * 2 * inner + inner + i];
+      dst[r * inner + i] = g / (1.0f + std::exp(-g)) * u;
+    }
+  return out;
+}
+
+// ------------------------------------------------------------------ attention
+
+template <class T> inline vfloat load_cache(const T* p);
+template <> inline vfloat load_cache<float>(const float* p) { return vload(p); }
+template <> inline vfloat load_cache<c10::BFloat16>(const c10::BFloat16* p) {
+  return load_bf16(reinterpret_cast<const uint16_t*>(p));
+}
+template <> inline vfloat load_cache<c10::Half>(const c10::Half* p) {
+  return load_f16(reinterpret_cast<const uint16_t*>(p));
+}
+
+// per-head RMSNorm (Qwen3's q/k norm), rounded as the reference path rounds
+inline void head_norm(float* v, int64_t d, const float* weight, float eps) {
+  if (!weight) return;
+  double sq = 0.0;
+  for (int64_t i = 0; i < d; ++i) sq += static_cast<double>(v[i]) * v[i];
+  const float inv = 1.0f / std::sqrt(static_cast<float>(sq / d) + eps);
+  for (int64_t i = 0; i < d; ++i) v[i] = v[i] * inv * weight[i];
+}
+
+// rotate-half rotary embedding on the first `rot` features, same arithmetic as the reference
+inline void rope(float* v, const float* cos, const float* sin, int64_t rot) {
+  const int64_t half = rot / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = v[i], b = v[i + half];
+    v[i] = a * cos[i] + (-b) * sin[i];
+    v[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+template <class T>
+void attention_impl(const float* qkv, int64_t m, int64_t hq, int64_t hkv, int64_t d, T* kc, T* vc,
+                    int64_t max_len, const float* cos, const float* sin, int64_t rot, int64_t start,
+                    int64_t window, const float* q_norm, const float* k_norm, float eps, float* out) {
+  const int64_t row = (hq + 2 * hkv) * d;
+  std::vector<float> queries(m * hq * d);
+  // keys and values of the new positions go into the cache first
+  for (int64_t i = 0; i < m; ++i) {
+    const float* src = qkv + i * row;
+    for (int64_t h = 0; h < hkv; ++h) {
+      float key[1024];
+      std::memcpy(key, src + (hq + h) * d, d * sizeof(float));
+      head_norm(key, d, k_norm, eps);
+      rope(key, cos + i * rot, sin + i * rot, rot);
+      T* kdst = kc + (h * max_len + start + i) * d;
+      T* vdst = vc + (h * max_len + start + i) * d;
+      const float* vsrc = src + (hq + hkv + h) * d;
+      for (int64_t j = 0; j < d; ++j) {
+        kdst[j] = static_cast<T>(key[j]);
+        vdst[j] = static_cast<T>(vsrc[j]);
+      }
+    }
+    for (int64_t h = 0; h < hq; ++h) {
+      float* qdst = queries.data() + (i * hq + h) * d;
+      std::memcpy(qdst, src + h * d, d * sizeof(float));
+      head_norm(qdst, d, q_norm, eps);
+      rope(qdst, cos + i * rot, sin + i * rot, rot);
+    }
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const int64_t group = hq / hkv;
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / ((start + m) * d));
+  at::parallel_for(0, m * hq, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(start + m + kLanes, 0.0f);
+    std::vector<float> acc(d);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / hq, h = task % hq, kvh = h / group;
+      const int64_t pos = start + i;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+      const float* q = queries.data() + (i * hq + h) * d;
+      const T* keys = kc + kvh * max_len * d;
+      const T* values = vc + kvh * max_len * d;
+      float best = -INFINITY;
+      for (int64_t j = first; j <= pos; ++j) {
+        vfloat dot = vzero();
+        for (int64_t e = 0; e < d; e += kLanes) dot = vfma(vload(q + e), load_cache(keys + j * d + e), dot);
+        const float s = vsum(dot) * scale;
+        scores[j] = s;
+        best = std::max(best, s);
+      }
+      // exp is elementwise, so whole vectors may run past pos into the padding
+      const vfloat vbest = vset1(best);
+      for (int64_t j = first; j <= pos; j += kLanes)
+        vstore(scores.data() + j, vexp(vsub(vload(scores.data() + j), vbest)));
+      float total = 0.0f;
+      for (int64_t t = first; t <= pos; ++t) total += scores[t];
+      for (int64_t e = 0; e < d; e += kLanes) {
+        vfloat sum = vzero();
+        for (int64_t t = first; t <= pos; ++t) sum = vfma(vset1(scores[t]), load_cache(values + t * d + e), sum);
+        vstore(acc.data() + e, sum);
+      }
+      const float inv = 1.0f / total;
+      float* dst = out + (i * hq + h) * d;
+      for (int64_t e = 0; e < d; ++e) dst[e] = acc[e] * inv;
+    }
+  });
+}
+
+// qkv [m, (hq + 2 hkv) d] -> attention output [m, hq d]; writes the new keys/values into
+// the layer's cache [hkv, max_len, d] at positions start..start+m-1.
+at::Tensor attention(const at::Tensor& qkv, at::Tensor kcache, at::Tensor vcache, const at::Tensor& cos,
+                     const at::Tensor& sin, int64_t start, int64_t hq, int64_t hkv, int64_t window,
+                     const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+                     double eps) {
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.is_contiguous(), "qkv: float32 [m, *]");
+  TORCH_CHECK(kcache.dim() == 3 && kcache.is_contiguous() && vcache.is_contiguous(), "cache: [hkv, len, d]");
+  const int64_t m = qkv.size(0), d = kcache.size(2), max_len = kcache.size(1);
+  TORCH_CHECK(kcache.size(0) == hkv && qkv.size(1) == (hq + 2 * hkv) * d, "qkv and cache shapes disagree");
+  TORCH_CHECK(d % kLanes == 0 && d <= 1024, "head_dim must be a multiple of ", kLanes);
+  TORCH_CHECK(start + m <= max_len, "cache overflow");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && cos.size(0) == m, "cos: float32 [m, rot]");
+  const int64_t rot = cos.size(1);
+  at::Tensor out = at::empty({m, hq * d}, qkv.options());
+  const float* qn = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
+  const float* kn = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
+  const float e = static_cast<float>(eps);
+#define VERISPEC_ATTEND(T)                                                                              \
+  attention_impl<T>(qkv.data_ptr<float>(), m, hq, hkv, d, kcache.data_ptr<T>(), vcache.data_ptr<T>(), \
+                    max_len, cos.data_ptr<float>(), sin.data_ptr<float>(), rot, start, window, qn, kn, e,  \
+                    out.data_ptr<float>())
+  switch (kcache.scalar_type()) {
+    case at::kFloat: VERISPEC_ATTEND(float); break;
+    case at::kBFloat16: VERISPEC_ATTEND(c10::BFloat16); break;
+    case at::kHalf: VERISPEC_ATTEND(c10::Half); break;
+    default: TORCH_CHECK(false, "unsupported cache dtype");
+  }
+#undef VERISPEC_ATTEND
+  return out;
+}
+
+// Reads every byte of a float32 tensor (sums it): the best read bandwidth these kernels see.
+double stream_sum(const at::Tensor& t) {
+  const float* p = t.data_ptr<float>();
+  const int64_t n = t.numel() / (4 * kLanes) * (4 * kLanes);
+  std::vector<double> partial(at::get_num_threads() + 1, 0.0);
+  at::parallel_for(0, n / (4 * kLanes), 1024, [&](int64_t begin, int64_t end) {
+    vfloat a = vzero(), b = vzero(), c = vzero(), e = vzero();
+    for (int64_t i = begin; i < end; ++i) {
+      const float* q = p + i * 4 * kLanes;
+      a = vadd(a, vload(q));
+      b = vadd(b, vload(q + kLanes));
+      c = vadd(c, vload(q + 2 * kLanes));
+      e = vadd(e, vload(q + 3 * kLanes));
+    }
+    partial[at::get_thread_num()] += vsum(vadd(vadd(a, b), vadd(c, e)));
+  });
+  double total = 0.0;
+  for (double v : partial) total += v;
+  return total;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_float", &linear_float, "x @ w.T (+ bias) (+ residual) for float32/bfloat16/float16 w");
+  m.def("linear_int8", &linear_int8, "x @ (w * scale[:, None]).T (+ bias) (+ residual)");
+  m.def("linear_int4", &linear_int4, "x @ dequant(q, scales).T (+ bias) (+ residual)");
+  m.def("dequantize_int4", &dequantize_int4, "the float32 weights of the int4 format");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up for [gate | up] rows");
+  m.def("attention", &attention, "rotary + cache write + causal attention for a few positions");
+  m.def("stream_sum", &stream_sum, "sum of a float32 tensor, read once");
+  m.attr("lanes") = kLanes;
+}
