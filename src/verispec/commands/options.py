@@ -66,9 +66,10 @@ def add_model_options(parser: argparse.ArgumentParser, draft: bool = True) -> No
 
 
 def default_dtype(device: str, weights: str | None) -> str:
+    """Activation dtype: the weight format's own float type, else float32 on CPU, bfloat16 on GPU."""
     if weights in ("bfloat16", "float16", "float32"):
         return weights
-    return "float32"
+    return "bfloat16" if device.startswith("cuda") else "float32"
 
 
 def load_target_and_draft(args) -> tuple:
