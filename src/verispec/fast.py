@@ -67,13 +67,27 @@ class FastPath:
         self.hidden = model.config.hidden_size
 
     def applies(self, tokens: torch.Tensor, cache) -> bool:
-        return (tokens.device.type == "cpu" and tokens.shape[0] == 1 and tokens.shape[1] <= KERNEL_MAX_ROWS
-                and type(cache) is KVCache and cache.k.shape[1] == 1 and cpu_kernels() is not None
-                and all(layer.qkv.kernel_ready() for layer in self.layers[:1]))
+        return (tokens.device.type == "cpu" and tokens.shape[0] == 1 and type(cache) is KVCache
+                and cache.k.shape[1] == 1 and cache.k.dtype == torch.float32 and cpu_kernels() is not None)
 
     def __call__(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor | None:
+        """Logits [1, T, vocab] (or [1, 1, vocab] with last_only); None when this path does not apply.
+
+        A long prompt goes through in slices of KERNEL_MAX_ROWS positions, so every position
+        is computed by the same kernels as a decoding step."""
         if not self.applies(tokens, cache):
             return None
+        slices = [tokens[:, i:i + KERNEL_MAX_ROWS] for i in range(0, tokens.shape[1], KERNEL_MAX_ROWS)]
+        outputs = []
+        for index, piece in enumerate(slices):
+            final = index == len(slices) - 1
+            logits = self._forward(piece, cache, last_only, head=final or not last_only)
+            if logits is not None:
+                outputs.append(logits)
+        return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+
+    def _forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool, head: bool = True
+                 ) -> torch.Tensor | None:
         kernels = cpu_kernels()
         model, start, length = self.model, cache.length, tokens.shape[1]
         if start + length > cache.max_len:
@@ -93,6 +107,8 @@ class FastPath:
             h = F.rms_norm(x, shape, layer.norm2, layer.eps2)
             x = layer.down.kernel(kernels, kernels.silu_mul(layer.gate_up.kernel(kernels, h, None)), x)
         cache.advance(length)
+        if not head:
+            return None
         if last_only:
             x = x[-1:]
         x = F.rms_norm(x, shape, self.final_norm, self.final_eps)

@@ -63,6 +63,8 @@ class CausalLM(nn.Module):
         ref = self.model.embed_tokens.weight
         c = self.config
         dtype = ref.dtype if ref.dtype.is_floating_point else torch.float32
+        if self.fast_path is not None:
+            dtype = torch.float32  # the fast path computes in float32 whatever the weight format
         return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len,
                        batch, dtype, ref.device)
 

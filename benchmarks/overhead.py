@@ -1,0 +1,75 @@
+"""Target 7: framework overhead, the time of one decoding step when the weights cost nothing.
+
+    python benchmarks/overhead.py [--quick]
+
+A 2-layer model with hidden size 64 reads a few kilobytes of weights, so its step time is
+what the engine itself costs per step: Python, dispatch, allocation, kernel launches.
+Measured for the plain PyTorch forward and for the packed fast path, on one thread (more
+threads only add wake-up cost at this size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from perf_common import machine_load, median, save, verdict, warn_if_busy
+
+
+def tiny_model(layers: int = 2):
+    from verispec.config import ModelConfig
+    from verispec.models import build_model
+
+    config = ModelConfig(model_type="qwen2", vocab_size=512, hidden_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                         attention_bias=True, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = build_model(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    return model
+
+
+@torch.inference_mode()
+def step_time(model, steps: int, rounds: int = 5) -> float:
+    """Median over rounds of the mean time of one single-token step at ~100 cached positions."""
+    cache = model.new_cache(100 + steps * (rounds + 1) + 1)
+    model(torch.arange(100).view(1, -1) % 512, cache)
+    token = torch.tensor([[7]])
+    results = []
+    for round_index in range(rounds + 1):
+        started = time.perf_counter()
+        for _ in range(steps):
+            model(token, cache)
+        if round_index:
+            results.append((time.perf_counter() - started) / steps)
+    return median(results)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    from verispec.quant import quantize_model
+
+    torch.set_num_threads(1)
+    print(f"framework overhead: 2-layer tiny model, 1 thread, {machine_load()}")
+    warn_if_busy()
+    steps = 50 if args.quick else 300
+    plain = step_time(tiny_model(), steps)
+    fast_model = quantize_model(tiny_model(), "float32")
+    fast = step_time(fast_model, steps) if fast_model.fast_path is not None else float("nan")
+    print(f"  plain PyTorch forward: {plain * 1e3:.3f} ms/step")
+    print(f"  packed fast path:      {fast * 1e3:.3f} ms/step")
+    met = fast < 1e-3
+    print(verdict("7 framework overhead", f"{fast * 1e3:.3f} ms per step (< 1 ms)", met))
+    save("overhead" + ("_quick" if args.quick else ""), {"plain_s": plain, "fast_s": fast})
+    return 0 if met else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Helpers the performance scripts share: read bandwidth, timing, target lines, result files."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "perf"
+
+
+def machine_load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.2f} / {five:.2f} on {os.cpu_count()} cores"
+
+
+def warn_if_busy() -> None:
+    one = os.getloadavg()[0]
+    if one > 0.5 * (os.cpu_count() or 1):
+        print(f"  note: {machine_load()}: other jobs share the cores, timings will be noisy")
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """The machine's read bandwidth in bytes/s: the best of torch.sum and the kernels'
+    own streaming sum over a buffer far larger than the caches."""
+    from verispec.kernels import cpu_kernels
+
+    buffer = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    kernels = cpu_kernels()
+    readers = [buffer.sum] + ([lambda: kernels.stream_sum(buffer)] if kernels else [])
+    best = 0.0
+    for read in readers:
+        read()
+        for _ in range(repeats):
+            started = time.perf_counter()
+            read()
+            best = max(best, buffer.numel() * 4 / (time.perf_counter() - started))
+    del buffer
+    gc.collect()
+    return best
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def verdict(name: str, figure: str, met: bool | None) -> str:
+    mark = "n/a" if met is None else ("MET" if met else "NOT MET")
+    return f"[{mark:>7}] {name}: {figure}"
+
+
+def save(name: str, record: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    record = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "load": machine_load(),
+              "threads": torch.get_num_threads(), **record}
+    path.write_text(json.dumps(record, indent=2))
+    return path
+
+
+def free(*objects) -> None:
+    for obj in objects:
+        del obj
+    gc.collect()

@@ -1,0 +1,133 @@
+"""Targets 4 and 5: the demo pair's speculative speed-up, and that --adaptive is never slower.
+
+    python benchmarks/speedup.py            # coding + math_reasoning over a γ sweep; --adaptive on every category
+    python benchmarks/speedup.py --quick    # two prompts, fewer tokens, three γ, three categories
+
+Every speculative run is audited against the plain run of the same prompt: greedy output
+must be identical token for token (VALID), else the run is INVALID and its speed is void.
+Plain and speculative runs of a prompt follow each other, so a change in machine load hits
+both. Speed-up = plain decoding time / speculative decoding time over the same tokens
+(prefill excluded from both; the draft's own prefill is counted against speculation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from perf_common import machine_load, save, verdict, warn_if_busy
+
+
+def run(target, prompt: str, tokens: int, **options):
+    from verispec.generate import generate
+
+    result = generate(target, prompt, chat=True, max_tokens=tokens, **options)
+    return result
+
+
+def sweep(target, draft, prompts, gammas, tokens):
+    """{γ: (plain seconds, speculative seconds, valid, acceptance)} summed over the prompts."""
+    totals = {g: [0.0, 0.0, True, 0, 0] for g in gammas}
+    for prompt in prompts:
+        before = run(target, prompt.text, tokens)
+        specs = {g: run(target, prompt.text, tokens, draft=draft, gamma=g) for g in gammas}
+        after = run(target, prompt.text, tokens)  # plain again: load drift hits both sides alike
+        plain_s = (before.timings.decode_s + after.timings.decode_s) / 2
+        for g, spec in specs.items():
+            entry = totals[g]
+            entry[0] += plain_s
+            entry[1] += spec.timings.decode_s
+            entry[2] &= spec.token_ids == before.token_ids == after.token_ids
+            entry[3] += spec.spec.accepted
+            entry[4] += spec.spec.drafted
+    return {g: {"plain_s": t[0], "spec_s": t[1], "valid": t[2], "speedup": t[0] / t[1],
+                "acceptance": t[3] / t[4] if t[4] else 0.0} for g, t in totals.items()}
+
+
+def adaptive_ratios(target, draft, prompts, tokens, gamma):
+    """Per category: plain seconds / adaptive speculative seconds, and whether all were VALID."""
+    per_category: dict[str, list] = {}
+    for prompt in prompts:
+        plain = run(target, prompt.text, tokens)
+        spec = run(target, prompt.text, tokens, draft=draft, gamma=gamma, adaptive="cost")
+        entry = per_category.setdefault(prompt.category, [0.0, 0.0, True])
+        entry[0] += plain.timings.decode_s
+        entry[1] += spec.timings.decode_s
+        entry[2] &= spec.token_ids == plain.token_ids
+    return {c: {"plain_s": e[0], "spec_s": e[1], "ratio": e[0] / e[1], "valid": e[2]}
+            for c, e in per_category.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--weights", default="int4", help="target weight format (both runs)")
+    parser.add_argument("--draft-weights", default="int4")
+    parser.add_argument("--categories", nargs="+", default=["coding", "math_reasoning"])
+    parser.add_argument("--gammas", type=int, nargs="+", default=None)
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per category")
+    parser.add_argument("--tokens", type=int, default=None)
+    parser.add_argument("--skip-adaptive", action="store_true")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    gammas = args.gammas or ([2, 4, 6] if args.quick else [2, 3, 4, 5, 6, 8])
+    per_category = args.prompts or (2 if args.quick else 5)
+    tokens = args.tokens or (32 if args.quick else 128)
+
+    from verispec.lab.prompts import load_prompts
+    from verispec.loading import load_model
+
+    target = load_model(args.target, weights=args.weights)
+    draft = load_model(args.draft, weights=args.draft_weights)
+    print(f"speculative speed-up: {target.name} ({args.weights}) with {draft.name} ({args.draft_weights}), "
+          f"{torch.get_num_threads()} threads, {tokens} tokens, {machine_load()}")
+    warn_if_busy()
+    record: dict = {"target": args.target, "draft": args.draft, "weights": args.weights,
+                    "draft_weights": args.draft_weights, "tokens": tokens, "sweeps": {}}
+    met4 = True
+    for category in args.categories:
+        prompts = load_prompts(f"spec-bench:{category}", limit=per_category)
+        results = sweep(target, draft, prompts, gammas, tokens)
+        record["sweeps"][category] = results
+        for g, r in results.items():
+            print(f"  {category:>15} γ={g:<2} speed-up {r['speedup']:.2f}x  acceptance {r['acceptance']:.0%}  "
+                  f"{'VALID' if r['valid'] else 'INVALID'}")
+        valid = {g: r for g, r in results.items() if r["valid"]}
+        best = max(valid.items(), key=lambda item: item[1]["speedup"]) if valid else None
+        ok = best is not None and best[1]["speedup"] >= 1.5 and len(valid) == len(results)
+        met4 &= ok
+        figure = (f"best γ={best[0]}: {best[1]['speedup']:.2f}x (>= 1.5x), "
+                  f"{len(valid)}/{len(results)} runs VALID") if best else "no VALID run"
+        print(verdict(f"4 speed-up, {category}", figure, ok))
+    met5 = True
+    if not args.skip_adaptive:
+        categories = ["coding", "translation", "qa"] if args.quick else None
+        source = "spec-bench:" + ",".join(categories) if categories else "spec-bench"
+        prompts = load_prompts(source, limit=1 if args.quick else 2) if categories else [
+            p for c in _categories() for p in load_prompts(f"spec-bench:{c}", limit=2)]
+        ratios = adaptive_ratios(target, draft, prompts, tokens, gamma=max(gammas))
+        record["adaptive"] = ratios
+        worst = min(ratios.items(), key=lambda item: item[1]["ratio"])
+        for category, r in sorted(ratios.items()):
+            print(f"  adaptive {category:>15}: {r['ratio']:.2f}x of plain  {'VALID' if r['valid'] else 'INVALID'}")
+        met5 = worst[1]["ratio"] >= 0.95 and all(r["valid"] for r in ratios.values())
+        print(verdict("5 never slower with --adaptive",
+                      f"worst category {worst[0]}: {worst[1]['ratio']:.2f}x of plain (>= 0.95)", met5))
+    save("speedup" + ("_quick" if args.quick else ""), record)
+    return 0 if (met4 and met5) or args.quick else 1
+
+
+def _categories() -> list[str]:
+    import json
+
+    from verispec.lab.prompts import spec_bench_path
+
+    with open(spec_bench_path(), encoding="utf-8") as f:
+        return sorted({json.loads(line)["category"] for line in f if line.strip()})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

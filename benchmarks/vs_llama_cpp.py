@@ -1,0 +1,157 @@
+"""Target 6: verispec against llama.cpp on the same GGUF files, prompts, threads and token budget.
+
+    pip install -e '.[bench]'                  # llama-cpp-python, built from source
+    python benchmarks/vs_llama_cpp.py          # 2 code + 2 prose prompts, 128 tokens, γ = 4 and 8
+    python benchmarks/vs_llama_cpp.py --quick  # 1 + 1 prompts, 32 tokens, γ = 4
+
+Both engines get the same prompt token ids (the chat template rendered once, by verispec)
+and decode greedily. llama.cpp's plain decoding is one `eval` per token; its speculative
+decoding is the same draft-then-verify loop as verispec's, written on llama-cpp-python's
+`eval` (the 0.5B drafts γ tokens, the 1.5B scores them in one batch, both roll back by
+resetting their token count, which drops the rejected cache cells on the next eval).
+verispec runs its int4 format built from the GGUF's own 4-bit blocks. Rates are decoding
+tokens/s after the first token, so prefill is excluded on both sides; each output is
+compared with the same engine's plain output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+import torch
+
+from perf_common import machine_load, save, verdict, warn_if_busy
+
+
+class LlamaCppEngine:
+    def __init__(self, target_path: str, draft_path: str, threads: int, context: int):
+        from llama_cpp import Llama
+
+        options = dict(n_threads=threads, n_threads_batch=threads, n_ctx=context, logits_all=True,
+                       verbose=False, n_batch=512)
+        self.target = Llama(model_path=target_path, **options)
+        self.draft = Llama(model_path=draft_path, **options)
+        self.eos = self.target.token_eos()
+
+    @staticmethod
+    def _feed(model, tokens: list[int]) -> np.ndarray:
+        """Evaluate tokens after the model's current ones; their logit rows."""
+        start = model.n_tokens
+        model.eval(tokens)
+        return model.scores[start:start + len(tokens)]
+
+    def plain(self, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
+        self.target.reset()
+        out = [int(self._feed(self.target, prompt)[-1].argmax())]
+        started = time.perf_counter()
+        while len(out) < max_tokens and out[-1] != self.eos:
+            out.append(int(self._feed(self.target, [out[-1]])[-1].argmax()))
+        return out, time.perf_counter() - started
+
+    def speculative(self, prompt: list[int], max_tokens: int, gamma: int) -> tuple[list[int], float, float]:
+        target, draft = self.target, self.draft
+        target.reset()
+        draft.reset()
+        out = [int(self._feed(target, prompt)[-1].argmax())]
+        started = time.perf_counter()
+        self._feed(draft, prompt)
+        drafted = accepted = 0
+        while len(out) < max_tokens and out[-1] != self.eos:
+            context = prompt + out
+            g = min(gamma, max_tokens - len(out) - 1)
+            proposals: list[int] = []
+            feed = context[draft.n_tokens:]
+            for _ in range(g):
+                proposals.append(int(self._feed(draft, feed)[-1].argmax()))
+                feed = [proposals[-1]]
+            base = target.n_tokens
+            rows = self._feed(target, [context[-1], *proposals]).argmax(-1)
+            kept = 0
+            while kept < g and int(rows[kept]) == proposals[kept]:
+                kept += 1
+            new = proposals[:kept] + [int(rows[kept])]
+            drafted, accepted = drafted + g, accepted + kept
+            target.n_tokens = base + 1 + kept  # rejected cells are dropped by the next eval
+            draft.n_tokens = min(draft.n_tokens, len(context) + kept)
+            for token in new:
+                out.append(token)
+                if token == self.eos or len(out) >= max_tokens:
+                    break
+        return out, time.perf_counter() - started, accepted / drafted if drafted else 0.0
+
+
+def rate(tokens: list[int], seconds: float) -> float:
+    return (len(tokens) - 1) / seconds if seconds > 0 else 0.0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--gammas", type=int, nargs="+", default=None)
+    parser.add_argument("--tokens", type=int, default=None)
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per kind (code, prose)")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    gammas = args.gammas or ([4] if args.quick else [4, 8])
+    tokens = args.tokens or (32 if args.quick else 128)
+    count = args.prompts or (1 if args.quick else 2)
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print(verdict("6 against llama.cpp", "llama-cpp-python is not installed (pip install -e '.[bench]')", None))
+        return 0
+
+    from verispec.generate import encode_prompt, generate
+    from verispec.lab.prompts import load_prompts
+    from verispec.loading import load_model, resolve
+
+    threads = torch.get_num_threads()
+    target = load_model(args.target, weights="int4")
+    draft = load_model(args.draft, weights="int4")
+    llama = LlamaCppEngine(str(resolve(args.target)), str(resolve(args.draft)), threads, 4096)
+    print(f"verispec vs llama.cpp: {target.name} / {draft.name}, {threads} threads, {tokens} tokens, {machine_load()}")
+    warn_if_busy()
+    prompts = [("code", p) for p in load_prompts("spec-bench:coding", limit=count)]
+    prompts += [("prose", p) for p in load_prompts("spec-bench:writing", limit=count)]
+    rows, met_spec, met_plain = [], True, True
+    for kind, prompt in prompts:
+        ids = encode_prompt(target.tokenizer, prompt.text, chat=True)
+        ours_plain = generate(target, ids, max_tokens=tokens)
+        theirs_plain, theirs_plain_s = llama.plain(ids, tokens)
+        row = {"prompt": prompt.id, "kind": kind, "verispec_plain": ours_plain.timings.tokens_per_s,
+               "llama_plain": rate(theirs_plain, theirs_plain_s), "spec": {}}
+        for g in gammas:
+            ours = generate(target, ids, draft=draft, gamma=g, max_tokens=tokens)
+            theirs, theirs_s, theirs_acc = llama.speculative(ids, tokens, g)
+            row["spec"][g] = {
+                "verispec": ours.timings.tokens_per_s, "verispec_acceptance": ours.spec.acceptance_rate,
+                "verispec_identical": ours.token_ids == ours_plain.token_ids,
+                "llama": rate(theirs, theirs_s), "llama_acceptance": theirs_acc,
+                "llama_identical": theirs == theirs_plain}
+        adaptive = generate(target, ids, draft=draft, gamma=max(gammas), adaptive="cost", max_tokens=tokens)
+        row["verispec_adaptive"] = adaptive.timings.tokens_per_s
+        rows.append(row)
+        best_ours = max([s["verispec"] for s in row["spec"].values()] + [row["verispec_adaptive"]])
+        best_theirs = max(s["llama"] for s in row["spec"].values())
+        met_spec &= best_ours >= best_theirs
+        met_plain &= row["verispec_plain"] >= row["llama_plain"]
+        print(f"  {kind:>5} {prompt.id}: plain verispec {row['verispec_plain']:.1f} vs llama.cpp "
+              f"{row['llama_plain']:.1f} tok/s ({row['verispec_plain'] / row['llama_plain']:.2f}x); "
+              f"adaptive verispec {row['verispec_adaptive']:.1f}")
+        for g, s in row["spec"].items():
+            print(f"        γ={g}: verispec {s['verispec']:.1f} tok/s ({s['verispec_acceptance']:.0%} accepted, "
+                  f"{'identical' if s['verispec_identical'] else 'DIFFERS'}) vs llama.cpp {s['llama']:.1f} tok/s "
+                  f"({s['llama_acceptance']:.0%}, {'identical' if s['llama_identical'] else 'differs'}): "
+                  f"{s['verispec'] / s['llama']:.2f}x")
+    print(verdict("6 speculative >= llama.cpp speculative, every prompt", "best γ of each engine", met_spec))
+    print(verdict("6 moonshot: plain >= llama.cpp plain, every prompt", "", met_plain))
+    save("vs_llama_cpp" + ("_quick" if args.quick else ""), {"tokens": tokens, "threads": threads, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""The fast paths: every weight format decodes, the kernels give the plain path's greedy tokens,
+a verification pass equals single steps bit for bit, GGUF 4-bit blocks repack exactly,
+the weight cache round-trips, and the GPU benchmark runs (on the CPU, at toy sizes)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tiny
+from verispec import kernels
+from verispec.generate import generate
+from verispec.loading import load_model
+from verispec.quant import FORMATS, Int4Linear, int4_from_gguf, int4_to_float, weight_bytes
+
+PROMPT = "the cat sat on the mat. the cat"
+REPO = Path(__file__).resolve().parents[1]
+
+needs_kernels = pytest.mark.skipif(kernels.cpu_kernels() is None, reason="the CPU kernels could not be built")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model")
+    tiny.save_hf_model(path, "qwen2", seed=3)
+    return path
+
+
+def _load(folder, fmt):
+    return load_model(folder, "bfloat16" if fmt == "bfloat16" else "float32", weights=fmt)
+
+
+def _plain_reference(folder, fmt):
+    """The same weights on the PyTorch path. bfloat16 weights run in float32 on the fast
+    path, so their reference is the float32 model with every weight rounded to bfloat16."""
+    kernels.set_enabled(False)
+    try:
+        if fmt != "bfloat16":
+            return _load(folder, fmt)
+        reference = load_model(folder)
+        with torch.no_grad():
+            for p in reference.model.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
+        return reference
+    finally:
+        kernels.set_enabled(True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_decodes_and_matches_the_plain_path(folder, fmt):
+    loaded = _load(folder, fmt)
+    assert loaded.model.fast_path is not None
+    fast = generate(loaded, PROMPT, max_tokens=24, ignore_eos=True)
+    reference = _plain_reference(folder, fmt)
+    kernels.set_enabled(False)
+    try:
+        plain = generate(reference if fmt == "bfloat16" else loaded, PROMPT, max_tokens=24, ignore_eos=True)
+    finally:
+        kernels.set_enabled(True)
+    assert len(fast.token_ids) == 24
+    assert fast.token_ids == plain.token_ids
+
+
+@needs_kernels
+def test_a_long_prompt_goes_through_in_slices(folder):
+    model = _load(folder, "int4").model
+    ids = (torch.arange(150).view(1, -1) * 7) % 250
+    with torch.inference_mode():
+        whole = model(ids, model.new_cache(160))
+        cache = model.new_cache(160)
+        last = model(ids, cache, last_only=True)
+        assert cache.length == 150
+        steps = model.new_cache(160)
+        model(ids[:, :149], steps)
+        step = model(ids[:, 149:], steps)
+    assert whole.shape == (1, 150, model.config.vocab_size)
+    assert torch.equal(last[0, -1], whole[0, -1]) and torch.equal(step[0, -1], whole[0, -1])
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_pass_over_many_positions_equals_single_steps_bit_for_bit(folder, fmt):
+    model = _load(folder, fmt).model
+    ids = torch.tensor([[5, 77, 100, 3, 9, 200, 42, 17, 61, 2, 8]])
+    with torch.inference_mode():
+        cache = model.new_cache(32)
+        model(ids[:, :3], cache)
+        one_pass = model(ids[:, 3:], cache)
+        cache.rollback(3)
+        steps = torch.cat([model(ids[:, i:i + 1], cache) for i in range(3, ids.shape[1])], dim=1)
+    assert torch.equal(one_pass, steps)
+
+
+@needs_kernels
+def test_int4_speculation_changes_nothing(folder, tmp_path):
+    target = _load(folder, "int4")
+    tiny.save_hf_model(tmp_path, "qwen2", seed=9, num_hidden_layers=1)
+    unrelated = _load(tmp_path, "int4")
+    baseline = generate(target, PROMPT, max_tokens=30, ignore_eos=True)
+    for draft in (target, unrelated):
+        for gamma in (1, 4, 9):
+            result = generate(target, PROMPT, draft=draft, gamma=gamma, max_tokens=30, ignore_eos=True)
+            assert result.token_ids == baseline.token_ids
+    assert generate(target, PROMPT, draft=target, gamma=4, max_tokens=30, ignore_eos=True).spec.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_formats_decode_without_the_kernels(folder, fmt):
+    loaded = _load(folder, fmt)
+    ids = torch.tensor([[5, 77, 100, 3, 9]])
+    with torch.inference_mode():
+        kernels.set_enabled(False)
+        try:
+            result = generate(loaded, PROMPT, max_tokens=16, ignore_eos=True)
+            plain = loaded.model(ids, loaded.model.new_cache(8))
+        finally:
+            kernels.set_enabled(True)
+        fast = loaded.model(ids, loaded.model.new_cache(8))
+    assert len(result.token_ids) == 16
+    if kernels.cpu_kernels() is not None:
+        assert (plain - fast).abs().max() <= 1e-3 * fast.abs().max()
+
+
+def test_quantised_weights_are_smaller_and_close(folder):
+    sizes = {fmt: _load(folder, fmt).weight_bytes() for fmt in ("float32", "int8", "int4")}
+    assert sizes["int4"] < sizes["int8"] < sizes["float32"] / 3
+    weight = torch.randn(48, 64)
+    layer = Int4Linear.from_float(weight)
+    step = (weight.reshape(48, 2, 32).amax(-1) - weight.reshape(48, 2, 32).amin(-1)) / 15
+    error = (layer.dense_weight() - weight).abs().reshape(48, 2, 32).amax(-1)
+    assert bool((error <= step * 0.5 + 1e-3).all())
+
+
+@needs_kernels
+def test_tied_output_layer_shares_the_embedding_and_counts_once(tmp_path):
+    tiny.save_hf_model(tmp_path, "qwen2", seed=4, tie_word_embeddings=True)
+    model = load_model(tmp_path).model
+    embedding = model.model.embed_tokens.weight
+    assert model.lm_head.weight.data_ptr() == embedding.data_ptr()  # no copy for float formats
+    distinct = {t.data_ptr(): t.numel() * t.element_size()
+                for t in list(model.parameters()) + [b for n, b in model.named_buffers() if "rope" not in n]}
+    assert weight_bytes(model) == sum(distinct.values())
+
+
+class _FakeGGUFTensor:
+    def __init__(self, kind: str, rows: int, cols: int, data: np.ndarray):
+        from gguf import GGMLQuantizationType
+        self.tensor_type = GGMLQuantizationType[kind]
+        self.shape = np.array([cols, rows])
+        self.data = data
+
+
+def _random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    block_bytes, per_block = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q4_K": (144, 256)}[kind]
+    blocks = rng.integers(0, 256, size=(rows, cols // per_block, block_bytes), dtype=np.uint8)
+    halves = 1 if kind == "Q4_0" else 2  # d (and m / dmin) are float16 numbers at the start
+    values = rng.uniform(0.001, 0.05, size=(rows, cols // per_block, halves)).astype(np.float16)
+    blocks[..., :2 * halves] = values.view(np.uint8).reshape(rows, cols // per_block, 2 * halves)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_gguf_4bit_blocks_repack_without_float32(kind):
+    from gguf import quants
+
+    rows, cols = 8, 512
+    data = _random_blocks(kind, rows, cols, np.random.default_rng(0))
+    tensor = _FakeGGUFTensor(kind, rows, cols, data)
+    expected = torch.from_numpy(quants.dequantize(data, tensor.tensor_type)).reshape(rows, cols)
+    ours = int4_to_float(*int4_from_gguf(tensor))
+    if kind == "Q4_K":  # scale and offset round to float16: within a thousandth of a step
+        assert (ours - expected).abs().max() <= 1e-3 * expected.abs().max()
+    else:
+        assert torch.equal(ours, expected)
+
+
+def test_other_gguf_types_are_not_repacked():
+    tensor = _FakeGGUFTensor("Q8_0", 2, 32, np.zeros((2, 34), dtype=np.uint8))
+    assert int4_from_gguf(tensor) is None
+
+
+def test_weight_cache_round_trip(tmp_path, monkeypatch):
+    from verispec.loading import weight_cache
+
+    monkeypatch.setattr(weight_cache, "MIN_FILE_BYTES", 0)
+    monkeypatch.setenv("VERISPEC_CACHE_DIR", str(tmp_path / "cache"))
+    ref = tiny.save_hf_model(tmp_path / "hf", "qwen2", seed=5)
+    tiny.write_gguf(tmp_path / "model.gguf", ref, "qwen2")
+    first = load_model(tmp_path / "model.gguf", weights="int8")
+    assert list((tmp_path / "cache").glob("*.safetensors"))
+    second = load_model(tmp_path / "model.gguf", weights="int8")
+    assert second.info.get("gguf_metadata_keys", 0) == 0  # came from the cache, not the file
+    a = generate(first, PROMPT, max_tokens=12, ignore_eos=True)
+    b = generate(second, PROMPT, max_tokens=12, ignore_eos=True)
+    assert a.token_ids == b.token_ids
+    assert second.tokenizer.encode(PROMPT) == first.tokenizer.encode(PROMPT)
+
+
+def test_gpu_benchmark_runs_on_the_cpu_at_toy_sizes(tmp_path):
+    out = tmp_path / "gpu.json"
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_bench.py"), "--tiny", "--device", "cpu",
+         "--max-m", "4", "--tokens", "6", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    import json
+    results = json.loads(out.read_text())
+    assert set(results["models"]) == {"dense-8b", "moe-30b-a3b"}
+    for model in results["models"].values():
+        assert model["r"]["1"] == 1.0 and len(model["r"]) == 4
+        assert len(model["grid"]) == 9 and all(cell["valid"] for cell in model["grid"].values())
+        assert model["step_bytes"] > 0
