@@ -18,13 +18,128 @@
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
+#include <sched.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 namespace {
+
+// ------------------------------------------------------------------ threads
+//
+// A parallel loop that tolerates a busy machine. OpenMP's fork-join waits at every
+// barrier for each thread to arrive, so when another process holds a core, each of the
+// hundreds of parallel regions in a decoding step waits out a scheduler time slice (a step
+// of 15 ms took 500 ms on a loaded 2-core machine). Here the calling thread takes chunks
+// of work from a shared counter and helpers join in when they are awake: the loop ends
+// when every chunk is done, never waiting for a helper that has not started.
+class WorkPool {
+ public:
+  static WorkPool& instance() {
+    static WorkPool pool;
+    return pool;
+  }
+
+  // body(chunk) for chunk in [0, chunks), on up to at::get_num_threads() threads
+  void run(int64_t chunks, const std::function<void(int64_t)>& body) {
+    const int64_t threads = std::min<int64_t>(at::get_num_threads(), 1 + helpers_.size());
+    if (chunks <= 1 || threads <= 1 || busy_.exchange(true)) {  // nested or serial: inline
+      for (int64_t i = 0; i < chunks; ++i) body(i);
+      return;
+    }
+    const uint64_t gen = ((ticket_.load() >> 48) + 1) & 0xFFFF;
+    slots_[gen & 1] = &body;
+    done_.store(0);
+    helpers_wanted_.store(threads - 1);
+    ticket_.store(gen << 48 | static_cast<uint64_t>(chunks) << 24);
+    if (sleeping_.load()) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      wake_.notify_all();
+    }
+    work(gen);
+    for (int spins = 0; done_.load(std::memory_order_acquire) < chunks; ++spins) {
+      if (spins > 2000) sched_yield();  // a helper was preempted mid-chunk: let it run
+      else _mm_pause();
+    }
+    busy_.store(false);
+  }
+
+ private:
+  WorkPool() {
+    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    for (unsigned i = 1; i < cores; ++i) helpers_.emplace_back([this, i] { helper(i); });
+    for (auto& t : helpers_) t.detach();
+  }
+
+  // claims chunks of generation gen until none is left; true if it did any
+  bool work(uint64_t gen) {
+    bool worked = false;
+    for (;;) {
+      uint64_t t = ticket_.load(std::memory_order_acquire);
+      const uint64_t index = t & 0xFFFFFF, total = (t >> 24) & 0xFFFFFF;
+      if ((t >> 48) != gen || index >= total) return worked;
+      if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) continue;
+      (*slots_[gen & 1])(static_cast<int64_t>(index));
+      done_.fetch_add(1, std::memory_order_release);
+      worked = true;
+    }
+  }
+
+  void helper(unsigned id) {
+    uint64_t seen = 0;
+    for (;;) {
+      for (int spins = 0;; ++spins) {  // spin briefly: the next call usually follows within microseconds
+        const uint64_t gen = ticket_.load(std::memory_order_acquire) >> 48;
+        if (gen != seen) {
+          seen = gen;
+          if (id <= helpers_wanted_.load()) work(gen);
+          spins = 0;
+          continue;
+        }
+        if (spins > 20000) break;
+        _mm_pause();
+      }
+      std::unique_lock<std::mutex> lock(mutex_);
+      sleeping_.fetch_add(1);
+      wake_.wait_for(lock, std::chrono::milliseconds(50),
+                     [&] { return (ticket_.load() >> 48) != seen; });
+      sleeping_.fetch_sub(1);
+    }
+  }
+
+  std::vector<std::thread> helpers_;
+  std::atomic<uint64_t> ticket_{0};  // generation (16 bits) | chunks (24) | next chunk (24)
+  std::atomic<int64_t> done_{0};
+  std::atomic<int64_t> helpers_wanted_{0};
+  std::atomic<int> sleeping_{0};
+  std::atomic<bool> busy_{false};
+  const std::function<void(int64_t)>* slots_[2] = {nullptr, nullptr};
+  std::mutex mutex_;
+  std::condition_variable wake_;
+};
+
+// for (i in [0, n)) in about `chunks_per_thread` pieces per thread, none under `grain` items
+inline void parallel_range(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& body) {
+  const int64_t threads = at::get_num_threads();
+  int64_t chunks = std::min<int64_t>(threads * 8, (n + grain - 1) / std::max<int64_t>(grain, 1));
+  chunks = std::max<int64_t>(chunks, 1);
+  if (chunks == 1 || threads == 1) {
+    body(0, n);
+    return;
+  }
+  const int64_t size = (n + chunks - 1) / chunks;
+  WorkPool::instance().run((n + size - 1) / size, [&](int64_t c) {
+    body(c * size, std::min(n, (c + 1) * size));
+  });
+}
 
 // ------------------------------------------------------------------ SIMD layer
 
@@ -273,7 +388,7 @@ void matmul(const Fmt& f, const float* x, int64_t m, int64_t n, float* y, const 
   const int64_t scratch_per_col = 2 * (f.k / kGroup) + 1;
   // small products run on one thread: waking the others would cost more than it saves
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kCols * f.k * std::max<int64_t>(1, m)));
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+  parallel_range(blocks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(kCols * scratch_per_col);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t col0 = b * kCols;
@@ -358,7 +473,7 @@ at::Tensor dequantize_int4(const at::Tensor& q, const at::Tensor& scales) {
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  parallel_range(n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row)
       for (int64_t g = 0; g < groups; ++g) {
         const float s = half_to_float(sp[(row * groups + g) * 2]), z = half_to_float(sp[(row * groups + g) * 2 + 1]);
@@ -452,7 +567,7 @@ void attention_impl(const float* qkv, int64_t m, int64_t hq, int64_t hkv, int64_
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const int64_t group = hq / hkv;
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / ((start + m) * d));
-  at::parallel_for(0, m * hq, grain, [&](int64_t begin, int64_t end) {
+  parallel_range(m * hq, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(start + m + kLanes, 0.0f);
     std::vector<float> acc(d);
     for (int64_t task = begin; task < end; ++task) {
@@ -524,17 +639,20 @@ at::Tensor attention(const at::Tensor& qkv, at::Tensor kcache, at::Tensor vcache
 double stream_sum(const at::Tensor& t) {
   const float* p = t.data_ptr<float>();
   const int64_t n = t.numel() / (4 * kLanes) * (4 * kLanes);
-  std::vector<double> partial(at::get_num_threads() + 1, 0.0);
-  at::parallel_for(0, n / (4 * kLanes), 1024, [&](int64_t begin, int64_t end) {
-    vfloat a = vzero(), b = vzero(), c = vzero(), e = vzero();
-    for (int64_t i = begin; i < end; ++i) {
-      const float* q = p + i * 4 * kLanes;
-      a = vadd(a, vload(q));
-      b = vadd(b, vload(q + kLanes));
-      c = vadd(c, vload(q + 2 * kLanes));
-      e = vadd(e, vload(q + 3 * kLanes));
+  const int64_t steps = n / (4 * kLanes), chunk = 1 << 16;
+  std::vector<double> partial((steps + chunk - 1) / chunk, 0.0);
+  parallel_range(partial.size(), 1, [&](int64_t first, int64_t last) {
+    for (int64_t c = first; c < last; ++c) {
+      vfloat a = vzero(), b = vzero(), d = vzero(), e = vzero();
+      for (int64_t i = c * chunk; i < std::min(steps, (c + 1) * chunk); ++i) {
+        const float* q = p + i * 4 * kLanes;
+        a = vadd(a, vload(q));
+        b = vadd(b, vload(q + kLanes));
+        d = vadd(d, vload(q + 2 * kLanes));
+        e = vadd(e, vload(q + 3 * kLanes));
+      }
+      partial[c] = vsum(vadd(vadd(a, b), vadd(d, e)));
     }
-    partial[at::get_thread_num()] += vsum(vadd(vadd(a, b), vadd(c, e)));
   });
   double total = 0.0;
   for (double v : partial) total += v;
