@@ -80,11 +80,11 @@ def run_demo(options: DemoOptions, console) -> int:
     _print_coloured(console, target.tokenizer, answer, ORIGIN_STYLE)
     console.print("legend: [magenta]kept draft[/magenta]  [red]recovered (the target's token at a rejection)"
                   "[/red]  [green]bonus[/green]  plain = the target's own step")
+    if writer:
+        console.print(f"[dim]raw runs: {writer.path} (`verispec report {writer.path}` redraws the table below)[/dim]")
     console.rule("audited results")
     rows = summarize(records)
     print_tables(console, rows, records)
-    if writer:
-        console.print(f"[dim]raw runs: {writer.path} (`verispec report {writer.path}` redraws this table)[/dim]")
     return 0 if all(row.verdict.valid for row in rows) else 1
 
 
