@@ -447,7 +447,7 @@ def llama_cpp_tensors(hf_model, arch: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_hybrid_gguf(path: Path, hf_model, arch: str) -> None:
+def write_hybrid_gguf(path: Path, hf_model, arch: str, tokenizer: bool = False) -> None:
     import gguf
 
     cfg = hf_model.config
@@ -474,6 +474,8 @@ def write_hybrid_gguf(path: Path, hf_model, arch: str) -> None:
     writer.add_ssm_time_step_rank(cfg.linear_num_value_heads)
     writer.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
     writer.add_full_attention_interval(4)
+    if tokenizer:
+        tiny.add_gguf_tokenizer(writer)
     for name, value in llama_cpp_tensors(hf_model, arch).items():
         writer.add_tensor(name, value.numpy())
     writer.write_header_to_file()
@@ -558,3 +560,20 @@ def test_synthetic_acceptance_sweep_on_a_hybrid_moe_target_audits_valid(saved, t
             by_rate[r["proposer"]].append(r["spec"]["acceptance_rate"])
     assert by_rate["synthetic:1"] == [1.0] * 4 and by_rate["synthetic:0"] == [0.0] * 4
     assert all(0 < rate < 1 for rate in by_rate["synthetic:0.5"])
+
+
+def test_hybrid_gguf_file_loads_through_load_model(saved, tmp_path):
+    """The whole loader: metadata, the hybrid tensor layout and the embedded tokenizer."""
+    from verispec.loading import load_model
+
+    _, hf, ours = saved["qwen3_5_moe"]
+    path = tmp_path / "model.gguf"
+    write_hybrid_gguf(path, hf, "qwen35moe", tokenizer=True)
+    loaded = load_model(path)
+    assert loaded.config.model_type == "qwen3_5_moe"
+    assert loaded.tokenizer.decode(loaded.tokenizer.encode("hello")) == "hello"
+    ids = random_ids(12, seed=9)
+    with torch.inference_mode():
+        got = loaded.model(ids, loaded.model.new_cache(16))
+        expected = ours.model(ids, ours.model.new_cache(16))
+    assert (got - expected).abs().max() <= STATE_TOL

@@ -106,6 +106,20 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def add_gguf_tokenizer(writer) -> None:
+    """The tiny byte-level tokenizer and chat template, as GGUF metadata."""
+    vocab = byte_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    writer.add_token_merges([f"{a} {b}" for a, b in MERGES])
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+
 def write_gguf(path: Path, hf_model, arch: str) -> None:
     """Write a transformers dense model as an F32 GGUF file with the tiny tokenizer embedded."""
     import gguf
@@ -124,16 +138,7 @@ def write_gguf(path: Path, hf_model, arch: str) -> None:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    vocab = byte_vocab()
-    tokens = sorted(vocab, key=vocab.get)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    writer.add_token_merges([f"{a} {b}" for a, b in MERGES])
-    writer.add_eos_token_id(EOS_ID)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    add_gguf_tokenizer(writer)
     for name, tensor in hf_model.state_dict().items():
         array = tensor.detach().float().numpy()
         if name == "model.embed_tokens.weight":

@@ -24,7 +24,12 @@ GGUF_ARCHITECTURES = {
     "qwen3": "qwen3",
     "qwen2moe": "qwen2_moe",
     "qwen3moe": "qwen3_moe",
+    # hybrids (gated delta-net + attention): their tensors follow their own layout
+    "qwen35": "qwen3_5",
+    "qwen35moe": "qwen3_5_moe",
+    "qwen3next": "qwen3_next",
 }
+HYBRID_FAMILIES = {"qwen3_5", "qwen3_5_moe", "qwen3_next"}
 
 # per-block tensor names: GGUF -> Hugging Face
 _BLOCK_NAMES = {
@@ -149,6 +154,9 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], vocab_row
             norm_topk_prob=family in ("qwen3_moe", "mixtral") or bool(get("expert_weights_norm", False)),
             mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names],
         )
+    if family in HYBRID_FAMILIES:
+        from verispec.models.qwen3_5 import gguf_config_fields
+        kwargs.update(gguf_config_fields(meta, arch))
     return ModelConfig(**kwargs)
 
 
@@ -189,14 +197,19 @@ def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False
     state: dict[str, torch.Tensor] = {}
     quantized: dict[str, Any] = {}
     permute = config.model_type in ("llama", "mistral", "mixtral")  # the 'llama' architecture
+    hybrid = config.model_type in HYBRID_FAMILIES
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
-        if name is None:
+        if name is None and not hybrid:
             continue
         try:
             value = dequantize(tensor)
         except Exception as exc:
             raise CorruptModelError(f"{path}: tensor {tensor.name} could not be decoded: {exc}") from None
+        if hybrid:
+            from verispec.models.qwen3_5 import gguf_tensor_to_hf
+            state.update((key, v.to(dtype)) for key, v in gguf_tensor_to_hf(tensor.name, value, config))
+            continue
         if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
             value = unpermute_qk(value, config.num_attention_heads)
         elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
