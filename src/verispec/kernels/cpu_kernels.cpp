@@ -176,10 +176,15 @@ inline vfloat load_i8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 // kLanes bytes of packed nibbles: low nibbles -> lo, high nibbles -> hi
-inline void load_u4(const uint8_t* p, vfloat& lo, vfloat& hi) {
+// kLanes bytes of packed nibbles -> s*q + z for the low nibbles (lo) and the high ones (hi).
+// The 16 possible values are made once (fma(q, s, z), as the other paths compute them) and
+// looked up with a permute, which reads only the low 4 bits of each index lane.
+inline void dequant_u4(const uint8_t* p, vfloat s, vfloat z, vfloat& lo, vfloat& hi) {
+  const __m512 table = _mm512_fmadd_ps(
+      _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), s, z);
   __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
-  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+  lo = _mm512_permutexvar_ps(bytes, table);
+  hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
 // 2^n * x for whole-number n (the exponent step of exp)
 inline vfloat vscale2(vfloat x, vfloat n) { return _mm512_scalef_ps(x, n); }
@@ -220,10 +225,10 @@ inline vfloat load_f16(const uint16_t* p) {
 inline vfloat load_i8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-inline void load_u4(const uint8_t* p, vfloat& lo, vfloat& hi) {
+inline void dequant_u4(const uint8_t* p, vfloat s, vfloat z, vfloat& lo, vfloat& hi) {
   __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  lo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
-  hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+  lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15))), s, z);
+  hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), s, z);
 }
 inline vfloat vscale2(vfloat x, vfloat n) {
   __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
@@ -264,6 +269,8 @@ struct F32Weights {
   int64_t k;
   struct Column { const float* w; };
   Column column(int64_t col, float*) const { return {w + col * k}; }
+  void prefetch(int64_t col, int64_t kk) const { _mm_prefetch(reinterpret_cast<const char*>(w + col * k + kk), _MM_HINT_T0); }
+  static constexpr int kPrefetchEvery = 16;  // weights per cache line
   static void load(const Column& c, int64_t kk, vfloat* out) { out[0] = vload(c.w + kk); }
   static int64_t x_offset(int64_t kk, int) { return kk; }
   float finish(int64_t, float sum) const { return sum; }
@@ -276,6 +283,8 @@ struct HalfWeights {
   int64_t k;
   struct Column { const uint16_t* w; };
   Column column(int64_t col, float*) const { return {w + col * k}; }
+  void prefetch(int64_t col, int64_t kk) const { _mm_prefetch(reinterpret_cast<const char*>(w + col * k + kk), _MM_HINT_T0); }
+  static constexpr int kPrefetchEvery = 32;
   static void load(const Column& c, int64_t kk, vfloat* out) {
     out[0] = kBrain ? load_bf16(c.w + kk) : load_f16(c.w + kk);
   }
@@ -291,6 +300,8 @@ struct Int8Weights {
   int64_t k;
   struct Column { const int8_t* w; };
   Column column(int64_t col, float*) const { return {w + col * k}; }
+  void prefetch(int64_t col, int64_t kk) const { _mm_prefetch(reinterpret_cast<const char*>(w + col * k + kk), _MM_HINT_T0); }
+  static constexpr int kPrefetchEvery = 64;
   static void load(const Column& c, int64_t kk, vfloat* out) { out[0] = load_i8(c.w + kk); }
   static int64_t x_offset(int64_t kk, int) { return kk; }
   float finish(int64_t col, float sum) const { return sum * scale[col]; }
@@ -315,13 +326,16 @@ struct Int4Weights {
     for (; i < groups * 2; ++i) scratch[i] = half_to_float(src[i]);
     return {q + col * (k / 2), scratch};
   }
+  void prefetch(int64_t col, int64_t kk) const {
+    _mm_prefetch(reinterpret_cast<const char*>(q + col * (k / 2) + kk / 2), _MM_HINT_T0);
+    if (kk % (16 * kGroup) == 0)  // 64 bytes of scales cover 16 groups
+      _mm_prefetch(reinterpret_cast<const char*>(scales + (col * (k / kGroup) + kk / kGroup) * 2), _MM_HINT_T0);
+  }
+  static constexpr int kPrefetchEvery = 128;
   static void load(const Column& c, int64_t kk, vfloat* out) {
     const int64_t group = kk / kGroup, half = (kk % kGroup) / 2;
-    vfloat lo, hi;
-    load_u4(c.q + group * (kGroup / 2) + half, lo, hi);
-    const vfloat s = vset1(c.sz[2 * group]), z = vset1(c.sz[2 * group + 1]);
-    out[0] = vfma(lo, s, z);
-    out[1] = vfma(hi, s, z);
+    dequant_u4(c.q + group * (kGroup / 2) + half, vset1(c.sz[2 * group]), vset1(c.sz[2 * group + 1]),
+               out[0], out[1]);
   }
   static int64_t x_offset(int64_t kk, int part) {
     return (kk / kGroup) * kGroup + (kk % kGroup) / 2 + part * (kGroup / 2);
@@ -332,14 +346,19 @@ struct Int4Weights {
 // ------------------------------------------------------------------ the product
 
 // rows [0, R) x columns [col0, col0 + C) of y, over the full k
+// `next` >= 0: the first column of the block that comes after this one, fetched into the
+// cache while this block computes (rows of a few kilobytes are too short for the hardware
+// prefetcher to pick up in time)
 template <class Fmt, int R, int C>
 inline void tile(const Fmt& f, const typename Fmt::Column* cols, const float* x, int64_t ldx,
                  int64_t col0, float* y, int64_t ldy, const float* bias, const float* residual,
-                 int64_t ldr) {
+                 int64_t ldr, int64_t next) {
   vfloat acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = vzero();
   for (int64_t kk = 0; kk < f.k; kk += Fmt::kStep) {
+    if (next >= 0 && kk % Fmt::kPrefetchEvery == 0)
+      for (int c = 0; c < kCols; ++c) f.prefetch(next + c, kk);
     vfloat w[C][Fmt::kParts];
     for (int c = 0; c < C; ++c) Fmt::load(cols[c], kk, w[c]);
     for (int p = 0; p < Fmt::kParts; ++p) {
@@ -363,20 +382,20 @@ inline void tile(const Fmt& f, const typename Fmt::Column* cols, const float* x,
 template <class Fmt, int C>
 inline void tile_rows(const Fmt& f, const typename Fmt::Column* cols, const float* x, int64_t ldx,
                       int64_t rows, int64_t col0, float* y, int64_t ldy, const float* bias,
-                      const float* residual, int64_t ldr) {
+                      const float* residual, int64_t ldr, int64_t next) {
   for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
     const int64_t n = std::min<int64_t>(kMaxRows, rows - r0);
     const float* xr = x + r0 * ldx;
     float* yr = y + r0 * ldy;
     const float* rr = residual ? residual + r0 * ldr : nullptr;
     switch (n) {
-      case 1: tile<Fmt, 1, C>(f, cols, xr, ldx, col0, yr, ldy, bias, rr, ldr); break;
-      case 2: tile<Fmt, 2, C>(f, cols, xr, ldx, col0, yr, ldy, bias, rr, ldr); break;
-      case 3: tile<Fmt, 3, C>(f, cols, xr, ldx, col0, yr, ldy, bias, rr, ldr); break;
+      case 1: tile<Fmt, 1, C>(f, cols, xr, ldx, col0, yr, ldy, bias, rr, ldr, r0 == 0 ? next : -1); break;
+      case 2: tile<Fmt, 2, C>(f, cols, xr, ldx, col0, yr, ldy, bias, rr, ldr, r0 == 0 ? next : -1); break;
+      case 3: tile<Fmt, 3, C>(f, cols, xr, ldx, col0, yr, ldy, bias, rr, ldr, r0 == 0 ? next : -1); break;
 #if defined(__AVX512F__)
-      case 4: tile<Fmt, 4, C>(f, cols, xr, ldx, col0, yr, ldy, bias, rr, ldr); break;
+      case 4: tile<Fmt, 4, C>(f, cols, xr, ldx, col0, yr, ldy, bias, rr, ldr, r0 == 0 ? next : -1); break;
 #endif
-      default: tile<Fmt, kMaxRows, C>(f, cols, xr, ldx, col0, yr, ldy, bias, rr, ldr); break;
+      default: tile<Fmt, kMaxRows, C>(f, cols, xr, ldx, col0, yr, ldy, bias, rr, ldr, r0 == 0 ? next : -1); break;
     }
   }
 }
@@ -395,11 +414,12 @@ void matmul(const Fmt& f, const float* x, int64_t m, int64_t n, float* y, const 
       const int width = static_cast<int>(std::min<int64_t>(kCols, n - col0));
       typename Fmt::Column cols[kCols];
       for (int c = 0; c < width; ++c) cols[c] = f.column(col0 + c, scratch.data() + c * scratch_per_col);
+      const int64_t next = (b + 2 < end || (b + 1 < end && n % kCols == 0)) ? col0 + kCols : -1;
       if (width == kCols) {
-        tile_rows<Fmt, kCols>(f, cols, x, f.k, m, col0, y, n, bias, residual, n);
+        tile_rows<Fmt, kCols>(f, cols, x, f.k, m, col0, y, n, bias, residual, n, next);
       } else {
         for (int c = 0; c < width; ++c)
-          tile_rows<Fmt, 1>(f, cols + c, x, f.k, m, col0 + c, y, n, bias, residual, n);
+          tile_rows<Fmt, 1>(f, cols + c, x, f.k, m, col0 + c, y, n, bias, residual, n, -1);
       }
     }
   });
