@@ -14,7 +14,6 @@ The reference forward remains the path for everything this does not cover.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from verispec.cache import KVCache
@@ -26,13 +25,13 @@ from verispec.quant import KERNEL_MAX_ROWS, PackedLinear
 class _Layer:
     """One decoder layer's tensors, as the kernels take them."""
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, kernels):
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1 = layer.input_layernorm.weight.detach().float()
         self.norm2 = layer.post_attention_layernorm.weight.detach().float()
         self.eps1, self.eps2 = layer.input_layernorm.eps, layer.post_attention_layernorm.eps
-        self.qkv, self.out = attn.qkv_proj, attn.o_proj
-        self.gate_up, self.down = mlp.gate_up_proj, mlp.down_proj
+        self.qkv, self.out = attn.qkv_proj.bound_kernel(kernels), attn.o_proj.bound_kernel(kernels)
+        self.gate_up, self.down = mlp.gate_up_proj.bound_kernel(kernels), mlp.down_proj.bound_kernel(kernels)
         self.index, self.heads, self.kv_heads = attn.layer_index, attn.num_heads, attn.num_kv_heads
         self.window = attn.window or 0
         self.q_norm = attn.q_norm.weight.detach().float() if attn.q_norm is not None else None
@@ -53,7 +52,8 @@ def _supported(model: nn.Module) -> bool:
             return False
         if not isinstance(getattr(layer.self_attn, "qkv_proj", None), PackedLinear):
             return False
-    return model.config.head_dim % 16 == 0 and model.config.hidden_act == "silu"
+    config = model.config
+    return config.head_dim % 16 == 0 and config.hidden_size % 16 == 0 and config.hidden_act == "silu"
 
 
 class FastPath:
@@ -61,7 +61,7 @@ class FastPath:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.layers = [_Layer(layer) for layer in model.model.layers]
+        self.layers: list[_Layer] | None = None  # bound to the kernels on first use
         self.final_norm = model.model.norm.weight.detach().float()
         self.final_eps = model.model.norm.eps
         self.hidden = model.config.hidden_size
@@ -89,6 +89,9 @@ class FastPath:
     def _forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool, head: bool = True
                  ) -> torch.Tensor | None:
         kernels = cpu_kernels()
+        if self.layers is None:
+            self.layers = [_Layer(layer, kernels) for layer in self.model.model.layers]
+            self.head = self.model.lm_head.bound_kernel(kernels)
         model, start, length = self.model, cache.length, tokens.shape[1]
         if start + length > cache.max_len:
             raise ContextOverflowError(
@@ -96,23 +99,22 @@ class FastPath:
         cos = model.rope_cos[start:start + length]
         sin = model.rope_sin[start:start + length]
         x = model.model.embed_tokens(tokens[0]).float()
-        shape = (self.hidden,)
         for layer in self.layers:
-            h = F.rms_norm(x, shape, layer.norm1, layer.eps1)
-            qkv = layer.qkv.kernel(kernels, h, None)
+            h = kernels.rms_norm(x, layer.norm1, layer.eps1)
+            qkv = layer.qkv(h)
             attended = kernels.attention(qkv, cache.k[layer.index, 0], cache.v[layer.index, 0], cos, sin,
                                          start, layer.heads, layer.kv_heads, layer.window,
                                          layer.q_norm, layer.k_norm, layer.qk_eps)
-            x = layer.out.kernel(kernels, attended, x)
-            h = F.rms_norm(x, shape, layer.norm2, layer.eps2)
-            x = layer.down.kernel(kernels, kernels.silu_mul(layer.gate_up.kernel(kernels, h, None)), x)
+            x = layer.out(attended, x)
+            h = kernels.rms_norm(x, layer.norm2, layer.eps2)
+            x = layer.down(kernels.silu_mul(layer.gate_up(h)), x)
         cache.advance(length)
         if not head:
             return None
         if last_only:
             x = x[-1:]
-        x = F.rms_norm(x, shape, self.final_norm, self.final_eps)
-        return model.lm_head.kernel(kernels, x.contiguous(), None).unsqueeze(0)
+        x = kernels.rms_norm(x.contiguous(), self.final_norm, self.final_eps)
+        return self.head(x).unsqueeze(0)
 
 
 def attach_fast_path(model: nn.Module) -> bool:

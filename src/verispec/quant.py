@@ -65,8 +65,16 @@ class PackedLinear(nn.Module):
     def kernel_ready(self) -> bool:
         return self.in_features % 32 == 0
 
+    KERNEL = ""  # the kernel's name; its arguments are x, the STORED tensors, bias, residual
+    STORED: tuple[str, ...] = ()
+
     def kernel(self, kernels, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        raise NotImplementedError
+        return getattr(kernels, self.KERNEL)(x, *(getattr(self, name) for name in self.STORED), self.bias, residual)
+
+    def bound_kernel(self, kernels):
+        """`kernel` with this layer's tensors looked up once: f(x, residual) for a hot loop."""
+        function, tensors, bias = getattr(kernels, self.KERNEL), [getattr(self, n) for n in self.STORED], self.bias
+        return lambda x, residual=None: function(x, *tensors, bias, residual)
 
     def dense_weight(self) -> torch.Tensor:
         """W as float32 [out, in]."""
@@ -84,14 +92,13 @@ class FloatLinear(PackedLinear):
     """float32, bfloat16 or float16 weights as they are."""
 
     STORED = ("weight",)
+    KERNEL = "linear_float"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__(weight.shape[1], weight.shape[0], bias)
         self.register_buffer("weight", weight.detach().contiguous())
         self.fmt = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[weight.dtype]
 
-    def kernel(self, kernels, x, residual):
-        return kernels.linear_float(x, self.weight, self.bias, residual)
 
     def torch_product(self, rows):
         if self.weight.dtype == torch.float32 or rows.dtype == self.weight.dtype:
@@ -111,6 +118,7 @@ class Int8Linear(PackedLinear):
 
     fmt = "int8"
     STORED = ("weight", "scale")
+    KERNEL = "linear_int8"
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__(weight.shape[1], weight.shape[0], bias)
@@ -124,8 +132,6 @@ class Int8Linear(PackedLinear):
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
         return cls(q, scale, bias)
 
-    def kernel(self, kernels, x, residual):
-        return kernels.linear_int8(x, self.weight, self.scale, self.bias, residual)
 
     def torch_product(self, rows):
         if rows.device.type == "cpu":  # PyTorch's own weight-only int8 kernel
@@ -146,6 +152,7 @@ class Int4Linear(PackedLinear):
 
     fmt = "int4"
     STORED = ("nibbles", "scales")
+    KERNEL = "linear_int4"
 
     def __init__(self, nibbles: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__(nibbles.shape[1] * 2, nibbles.shape[0], bias)
@@ -156,8 +163,6 @@ class Int4Linear(PackedLinear):
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int4Linear":
         return cls(*int4_from_float(weight), bias)
 
-    def kernel(self, kernels, x, residual):
-        return kernels.linear_int4(x, self.nibbles, self.scales, self.bias, residual)
 
     def dense_weight(self):
         kernels = cpu_kernels() if self.nibbles.device.type == "cpu" else None

@@ -157,6 +157,7 @@ inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
 inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
 inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
 inline vfloat vmax(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
+inline vfloat vdiv(vfloat a, vfloat b) { return _mm512_div_ps(a, b); }
 inline float vsum(vfloat v) {
   __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
   __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
@@ -203,6 +204,7 @@ inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
 inline vfloat vadd(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
 inline vfloat vsub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
 inline vfloat vmax(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }
+inline vfloat vdiv(vfloat a, vfloat b) { return _mm256_div_ps(a, b); }
 inline float vsum(vfloat v) {
   __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   q = _mm_add_ps(q, _mm_movehl_ps(q, q));
@@ -515,13 +517,36 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
               "contiguous float32 [m, 2*i] expected");
   const int64_t m = gate_up.size(0), inner = gate_up.size(1) / 2;
   at::Tensor out = at::empty({m, inner}, gate_up.options());
-  const float* src = gate_up.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t i = 0; i < inner; ++i) {
-      const float g = src[r * 2 * inner + i], u = src[r * 2 * inner + inner + i];
-      dst[r * inner + i] = g / (1.0f + std::exp(-g)) * u;
+  for (int64_t r = 0; r < m; ++r) {
+    const float* gate = gate_up.data_ptr<float>() + r * 2 * inner;
+    const float* up = gate + inner;
+    float* dst = out.data_ptr<float>() + r * inner;
+    int64_t i = 0;
+    for (; i + kLanes <= inner; i += kLanes) {  // g / (1 + exp(-g)) * u
+      const vfloat g = vload(gate + i);
+      const vfloat e = vexp(vsub(vzero(), g));
+      vstore(dst + i, vmul(vdiv(g, vadd(vset1(1.0f), e)), vload(up + i)));
     }
+    for (; i < inner; ++i) dst[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+  }
+  return out;
+}
+
+// RMSNorm of each row: x / sqrt(mean(x^2) + eps) * weight
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: float32 [m, d]");
+  const int64_t m = x.size(0), d = x.size(1);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == d && d % kLanes == 0, "weight: float32 [d]");
+  at::Tensor out = at::empty_like(x);
+  const float* w = weight.data_ptr<float>();
+  for (int64_t r = 0; r < m; ++r) {
+    const float* src = x.data_ptr<float>() + r * d;
+    float* dst = out.data_ptr<float>() + r * d;
+    vfloat squares = vzero();
+    for (int64_t i = 0; i < d; i += kLanes) squares = vfma(vload(src + i), vload(src + i), squares);
+    const vfloat inv = vset1(1.0f / std::sqrt(vsum(squares) / static_cast<float>(d) + static_cast<float>(eps)));
+    for (int64_t i = 0; i < d; i += kLanes) vstore(dst + i, vmul(vmul(vload(src + i), inv), vload(w + i)));
+  }
   return out;
 }
 
@@ -687,6 +712,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int4", &linear_int4, "x @ dequant(q, scales).T (+ bias) (+ residual)");
   m.def("dequantize_int4", &dequantize_int4, "the float32 weights of the int4 format");
   m.def("silu_mul", &silu_mul, "silu(gate) * up for [gate | up] rows");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("attention", &attention, "rotary + cache write + causal attention for a few positions");
   m.def("stream_sum", &stream_sum, "sum of a float32 tensor, read once");
   m.attr("lanes") = kLanes;
