@@ -112,7 +112,7 @@ def main() -> int:
     threads = torch.get_num_threads()
     target = load_model(args.target, weights="int4")
     draft = load_model(args.draft, weights="int4")
-    llama = LlamaCppEngine(str(resolve(args.target)), str(resolve(args.draft)), threads, 4096)
+    llama = LlamaCppEngine(str(resolve(args.target)), str(resolve(args.draft)), threads, 1024)
     print(f"verispec vs llama.cpp: {target.name} / {draft.name}, {threads} threads, {tokens} tokens, {machine_load()}")
     warn_if_busy()
     prompts = [("code", p) for p in load_prompts("spec-bench:coding", limit=count)]
