@@ -216,3 +216,17 @@ def test_gpu_benchmark_runs_on_the_cpu_at_toy_sizes(tmp_path):
         assert model["r"]["1"] == 1.0 and len(model["r"]) == 4
         assert len(model["grid"]) == 9 and all(cell["valid"] for cell in model["grid"].values())
         assert model["step_bytes"] > 0
+
+
+def test_adaptive_draft_reads_a_long_prompt_between_plain_steps(folder, tmp_path):
+    from verispec.generate import READY_LAG
+
+    target = load_model(folder)
+    tiny.save_hf_model(tmp_path, "qwen2", seed=3, num_hidden_layers=1)
+    draft = load_model(tmp_path)
+    prompt = "the cat sat on the mat. " * 12  # longer than READY_LAG tokens
+    assert len(target.tokenizer.encode(prompt)) > READY_LAG
+    baseline = generate(target, prompt, max_tokens=40, ignore_eos=True)
+    result = generate(target, prompt, draft=draft, gamma=4, adaptive="cost", max_tokens=40, ignore_eos=True)
+    assert result.token_ids == baseline.token_ids
+    assert result.spec.gammas[1] == 0  # the first rounds decode plainly while the draft reads

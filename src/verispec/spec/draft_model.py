@@ -28,10 +28,24 @@ class DraftModelProposer:
         self.device = loaded.device
 
     @torch.inference_mode()
-    def start(self, prompt_ids: list[int], max_len: int) -> None:
-        """Prefill the prompt, so that the first round pays only for drafting."""
+    def start(self, prompt_ids: list[int], max_len: int, prefill: bool = True) -> None:
+        """Prefill the prompt, so that the first round pays only for drafting. Without
+        `prefill` the draft reads the prompt later: through `catch_up`, or in its first round."""
         self.cache = self.model.new_cache(max_len)
-        self.model(torch.tensor([prompt_ids], device=self.device), self.cache, last_only=True)
+        if prefill:
+            self.model(torch.tensor([prompt_ids], device=self.device), self.cache, last_only=True)
+
+    def lag(self, context: list[int]) -> int:
+        """How many tokens of the context the draft has not read yet."""
+        return len(context) - self.cache.length
+
+    @torch.inference_mode()
+    def catch_up(self, context: list[int], tokens: int) -> None:
+        """Read up to `tokens` more tokens of the context (never its last, which `propose` feeds)."""
+        end = min(len(context) - 1, self.cache.length + tokens)
+        if end > self.cache.length:
+            feed = torch.tensor([context[self.cache.length:end]], device=self.device)
+            self.model(feed, self.cache, last_only=True)
 
     @torch.inference_mode()
     def propose(self, context: list[int], gamma: int, params: SamplingParams,
