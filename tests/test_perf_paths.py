@@ -224,7 +224,7 @@ def test_adaptive_draft_reads_a_long_prompt_between_plain_steps(folder, tmp_path
     target = load_model(folder)
     tiny.save_hf_model(tmp_path, "qwen2", seed=3, num_hidden_layers=1)
     draft = load_model(tmp_path)
-    prompt = "the cat sat on the mat. " * 12  # longer than READY_LAG tokens
+    prompt = "the cat sat on the mat. " * 4  # longer than READY_LAG tokens
     assert len(target.tokenizer.encode(prompt)) > READY_LAG
     baseline = generate(target, prompt, max_tokens=40, ignore_eos=True)
     result = generate(target, prompt, draft=draft, gamma=4, adaptive="cost", max_tokens=40, ignore_eos=True)
