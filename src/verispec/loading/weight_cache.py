@@ -5,8 +5,8 @@ the gguf package takes most of a minute; reading the packed weights back from a
 safetensors file, and the config and tokenizer from a JSON file beside it, takes seconds.
 Entries live in ~/.cache/verispec/weights (VERISPEC_CACHE_DIR moves it,
 VERISPEC_WEIGHT_CACHE=0 turns it off), keyed by the model file's path, size and
-modification time, the weight format and this module's version. Small files are not
-cached: decoding them is quick.
+modification time, the weight format and a digest of the loading and model code. Small
+files are not cached: decoding them is quick.
 """
 
 from __future__ import annotations
@@ -32,6 +32,17 @@ def _folder() -> Path:
     return Path(os.environ.get("VERISPEC_CACHE_DIR", Path.home() / ".cache" / "verispec" / "weights"))
 
 
+def _code_version() -> str:
+    """A digest of the code that turns a file into weights: an edit to it retires old entries."""
+    package = Path(__file__).resolve().parents[1]
+    sources = [package / "config.py", package / "quant.py", *sorted((package / "loading").glob("*.py")),
+               *sorted((package / "models").glob("*.py"))]
+    digest = hashlib.sha1()
+    for source in sources:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def entry_path(model_file: Path, fmt: str, dtype: torch.dtype) -> Path | None:
     """Where the packed weights of this file in this format live; None when not cached."""
     if os.environ.get("VERISPEC_WEIGHT_CACHE", "1") == "0" or not model_file.is_file():
@@ -39,7 +50,7 @@ def entry_path(model_file: Path, fmt: str, dtype: torch.dtype) -> Path | None:
     stat = model_file.stat()
     if stat.st_size < MIN_FILE_BYTES:
         return None
-    key = f"{VERSION}|{model_file.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{fmt}|{dtype}"
+    key = f"{VERSION}|{_code_version()}|{model_file.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{fmt}|{dtype}"
     digest = hashlib.sha1(key.encode()).hexdigest()[:16]
     return _folder() / f"{model_file.stem}-{fmt}-{digest}.safetensors"
 
@@ -75,6 +86,10 @@ def store(entry: Path, model: nn.Module, config: ModelConfig, tokenizer: Tokeniz
     }
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
+        stem, fmt, _ = entry.stem.rsplit("-", 2)
+        for stale in entry.parent.glob(f"{stem}-{fmt}-*.safetensors"):  # retired by a code or file change
+            stale.unlink(missing_ok=True)
+            _sidecar(stale).unlink(missing_ok=True)
         partial = entry.with_suffix(".partial")
         save_file(tensors, str(partial))
         _sidecar(entry).write_text(json.dumps(described))
