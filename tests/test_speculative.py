@@ -226,3 +226,20 @@ def test_verifier_alone_is_lossless_for_a_one_hot_draft():
         counts[2 if verdict.accepted else verdict.token] += 1
     expected = torch.softmax(logits[0].double(), -1) * sum(counts)
     assert chisquare(counts, expected.tolist()).pvalue > 0.01
+
+
+def test_cost_aware_policy_falls_back_and_probes_ever_more_rarely():
+    from verispec.spec.gamma import CostAwareGamma
+    policy = CostAwareGamma()
+    policy.update(0, 0, 0.0, 0.010)  # a plain step: 10 ms
+    for _ in range(3):  # drafts that are always rejected, at a draft step of 4 ms
+        policy.update(4, 0, 0.016, 0.013)
+    choices = []
+    for _ in range(2000):
+        gamma = policy.choose()
+        choices.append(gamma)
+        policy.update(gamma, 0, 0.004 * gamma, 0.010 + 0.001 * gamma)
+    probes = [i for i, g in enumerate(choices) if g > 0]
+    assert 3 <= len(probes) <= 12  # intervals 16, 32, ..., 256: a few percent of rounds at most
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps)  # backing off

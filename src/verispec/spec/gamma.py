@@ -61,6 +61,7 @@ class CostAwareGamma:
     draft_step_s: float | None = None
     verify_s: dict[int, float] = field(default_factory=dict)
     plain_rounds: int = 0
+    probe_interval: int = 0  # plain rounds until the next probe; doubles after each probe that fails
 
     @property
     def alpha(self) -> float:
@@ -99,11 +100,15 @@ class CostAwareGamma:
             if rate > best_rate:
                 best_gamma, best_rate = gamma, rate
         if best_gamma == 0:
+            # look again now and then (acceptance may change), ever more rarely while it does not pay
             self.plain_rounds += 1
-            if self.plain_rounds % self.probe_every == 0:
-                return self.probe_gamma  # look again: acceptance may have changed
+            self.probe_interval = self.probe_interval or self.probe_every
+            if self.plain_rounds >= self.probe_interval:
+                self.plain_rounds = 0
+                self.probe_interval = min(2 * self.probe_interval, 16 * self.probe_every)
+                return self.probe_gamma
         else:
-            self.plain_rounds = 0
+            self.plain_rounds, self.probe_interval = 0, 0
         return best_gamma
 
     def _blend(self, old: float | None, new: float) -> float:
