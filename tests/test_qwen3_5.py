@@ -577,3 +577,12 @@ def test_hybrid_gguf_file_loads_through_load_model(saved, tmp_path):
         got = loaded.model(ids, loaded.model.new_cache(16))
         expected = ours.model(ids, ours.model.new_cache(16))
     assert (got - expected).abs().max() <= STATE_TOL
+
+
+def test_lab_counts_the_recurrent_state_in_bytes_per_pass(saved):
+    from verispec.lab.bench import bytes_read_per_pass
+
+    _, _, ours = saved["qwen3_5"]
+    state = ours.model.state_bytes()
+    assert state > 0
+    assert bytes_read_per_pass(ours) == ours.weight_bytes() + state

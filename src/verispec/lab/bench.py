@@ -102,9 +102,13 @@ def bytes_read_per_pass(target) -> int:
 
     A dense model reads every weight. A mixture of experts reads at least the
     top-k experts' share of its expert weights (a pass over several positions
-    reads more, which only makes this bound safer).
+    reads more, which only makes this bound safer). A hybrid model also reads
+    its recurrent state once per pass.
     """
     total = target.weight_bytes()
+    state_bytes = getattr(target.model, "state_bytes", None)
+    if callable(state_bytes):
+        total += int(state_bytes())
     config = target.config
     if not config.is_moe or not config.num_experts_per_tok:
         return total
