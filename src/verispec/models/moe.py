@@ -123,17 +123,8 @@ def _attention_config(config: ModelConfig) -> ModelConfig:
     return config
 
 
-class MoeCausalLM(CausalLM):
-    """A decoder whose sparse layers route tokens to experts; see the module notes."""
-
-    def __init__(self, config: ModelConfig):
-        layer_config = _attention_config(config)
-        layers = [
-            DecoderLayer(layer_config, i, mlp=SparseMoeBlock(config) if is_sparse_layer(config, i)
-                         else SwiGLU(config.hidden_size, config.intermediate_size))
-            for i in range(config.num_hidden_layers)
-        ]
-        super().__init__(config, layers)
+class ExpertAccounting:
+    """What the lab asks of any model with sparse layers: which experts the last pass read."""
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
@@ -145,6 +136,19 @@ class MoeCausalLM(CausalLM):
     def touched_expert_bytes(self) -> int:
         """Bytes of expert weights the last forward pass read (shared experts and routers excluded)."""
         return sum(b.experts_touched * b.experts.bytes_per_expert() for b in self.moe_blocks())
+
+
+class MoeCausalLM(ExpertAccounting, CausalLM):
+    """A decoder whose sparse layers route tokens to experts; see the module notes."""
+
+    def __init__(self, config: ModelConfig):
+        layer_config = _attention_config(config)
+        layers = [
+            DecoderLayer(layer_config, i, mlp=SparseMoeBlock(config) if is_sparse_layer(config, i)
+                         else SwiGLU(config.hidden_size, config.intermediate_size))
+            for i in range(config.num_hidden_layers)
+        ]
+        super().__init__(config, layers)
 
     @staticmethod
     def sanitize(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

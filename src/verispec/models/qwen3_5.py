@@ -40,7 +40,7 @@ from verispec.errors import CorruptModelError
 from verispec.models.common import SwiGLU, apply_rope, causal_mask
 from verispec.models.dense import CausalLM
 from verispec.models.hybrid_cache import DeltaNetShape, HybridCache, PassRecord, delta_rule, l2_normalize
-from verispec.models.moe import MoeCausalLM, SparseMoeBlock, is_sparse_layer
+from verispec.models.moe import ExpertAccounting, MoeCausalLM, SparseMoeBlock, is_sparse_layer
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -214,7 +214,7 @@ def _mlp(config: ModelConfig, layer_index: int) -> nn.Module:
     return SwiGLU(config.hidden_size, config.intermediate_size)
 
 
-class HybridCausalLM(CausalLM):
+class HybridCausalLM(ExpertAccounting, CausalLM):
     """Gated delta-net and gated attention layers over a HybridCache; see the module notes."""
 
     def __init__(self, config: ModelConfig):
@@ -250,17 +250,6 @@ class HybridCausalLM(CausalLM):
         """Bytes of recurrent and conv state one pass reads (and writes back), for `batch` sequences."""
         element = self.model.embed_tokens.weight.element_size()
         return self.kinds.count(LINEAR) * self.shape.state_bytes(element, batch)
-
-    def moe_blocks(self) -> list[SparseMoeBlock]:
-        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
-
-    def experts_touched(self) -> list[int]:
-        """Distinct experts the last forward pass ran, per sparse layer."""
-        return [block.experts_touched for block in self.moe_blocks()]
-
-    def touched_expert_bytes(self) -> int:
-        """Bytes of expert weights the last forward pass read (shared experts and routers excluded)."""
-        return sum(b.experts_touched * b.experts.bytes_per_expert() for b in self.moe_blocks())
 
     # -- loading
     def sanitize(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
