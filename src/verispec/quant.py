@@ -15,6 +15,7 @@ higher precision (Q5_0, Q6_K, Q8_0, float) are quantised to 4 bits from their va
 
 from __future__ import annotations
 
+from abc import ABCMeta, abstractmethod
 from collections.abc import Sequence
 
 import numpy as np
@@ -30,7 +31,7 @@ GROUP = 32  # int4 group size along the input features
 KERNEL_MAX_ROWS = 64  # more rows (a long prompt) go to a dense GEMM instead
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(nn.Module, metaclass=ABCMeta):
     """y = x·Wᵀ (+ bias) (+ residual) with W kept in one weight format.
 
     Subclasses store their tensors as buffers (so `.to(device)` and weight counts see them)
@@ -76,13 +77,13 @@ class PackedLinear(nn.Module):
         function, tensors, bias = getattr(kernels, self.KERNEL), [getattr(self, n) for n in self.STORED], self.bias
         return lambda x, residual=None: function(x, *tensors, bias, residual)
 
+    @abstractmethod
     def dense_weight(self) -> torch.Tensor:
         """W as float32 [out, in]."""
-        raise NotImplementedError
 
+    @abstractmethod
     def packed(self) -> list[torch.Tensor]:
         """The tensors that hold W, row-major in the output dimension (for fusing)."""
-        raise NotImplementedError
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.fmt}, bias={self.bias is not None}"
