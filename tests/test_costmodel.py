@@ -58,6 +58,9 @@ def test_the_draft_pays_a_two_position_step_after_a_fully_kept_round():
     assert cm.predict_speedup(1.0, 4, 0.2, r, draft_r2=2.0) == pytest.approx(5 / (0.2 * 5 + 1.5))
     assert cm.predict_speedup(0.0, 4, 0.2, r, draft_r2=2.0) == pytest.approx(1 / (0.2 * 4 + 1.5))
     assert cm.predict_speedup(0.5, 4, 0.2, r, draft_r2=1.0) == cm.predict_speedup(0.5, 4, 0.2, r)
+    # the draft's prompt reading adds its share to every token's cost
+    assert 1 / cm.predict_speedup(0.5, 4, 0.2, r, prompt_cost=0.25) == pytest.approx(
+        1 / cm.predict_speedup(0.5, 4, 0.2, r) + 0.25)
     costs = cm.MeasuredCosts({1: 1.0, 5: 1.5}, draft_step_s=0.2, draft_two_s=0.4)
     assert costs.draft_r2 == pytest.approx(2.0)
     prediction = cm.predict(costs, 1.0, 4)
@@ -159,6 +162,15 @@ def test_measured_costs_interpolate_and_extrapolate():
     assert costs.r(6) == pytest.approx(3.5)  # along the last slope
     with pytest.raises(VerispecError):
         cm.MeasuredCosts({2: 1.0}, draft_step_s=0.1)
+
+
+def test_draft_prefill_is_interpolated_and_spread_over_decoded_tokens():
+    costs = cm.MeasuredCosts({1: 0.1}, draft_step_s=0.02, draft_prefill_s={32: 0.04, 128: 0.12, 512: 0.6})
+    assert costs.draft_prefill(32) == pytest.approx(0.04)
+    assert costs.draft_prefill(80) == pytest.approx(0.08)  # halfway between 32 and 128
+    assert costs.draft_prefill(1024) == pytest.approx(0.6 + 512 * (0.48 / 384))  # the last slope
+    assert costs.prompt_cost(128, 60) == pytest.approx(0.12 / 0.1 / 60)
+    assert cm.MeasuredCosts({1: 0.1}, draft_step_s=0.02).prompt_cost(128, 60) == 0.0
 
 
 def test_bad_hardware_is_refused():
@@ -306,6 +318,9 @@ def test_calibrate_command_on_a_tiny_model_then_explain_with_it(tmp_path, capsys
     profile = load_profile(out_file)
     assert profile.target.positions == [1, 2, 3, 4]
     assert profile.target.r[0] == 1.0 and profile.c > 0
+    # the draft's prompt reading, at lengths the tiny model's context holds, grows with the length
+    assert "reads a prompt once per request" in printed
+    assert profile.draft.prefill_lengths and profile.draft.prefill_seconds[-1] > profile.draft.prefill_seconds[0] > 0
     assert profile.machine["cores"] >= 1 and profile.machine["torch"] == torch.__version__
     assert main(["explain", "--target", str(folder), "--draft", str(folder), "--profile", str(out_file)]) == 0
     assert "measured in" in capsys.readouterr().out

@@ -351,6 +351,33 @@ def test_report_shows_the_cost_model_prediction_with_a_profile(tmp_path, capsys)
     assert code == 0 and "Predicted" in out and f"{expected:.2f}x" in out
 
 
+def test_report_prediction_charges_the_drafts_prompt_reading(tmp_path):
+    """With the draft's prefill in the profile, each row pays for reading its prompts once."""
+    from verispec.lab.calibrate import CalibrationProfile, ModelTiming
+    from verispec.lab.costmodel import alpha_from_counts, predict_speedup
+
+    records = [fake_run("1", 0, 10.0), fake_run("1", 0, 15.0, "d", 4, accepted=4, drafted=8)]
+    for record in records:
+        record["prompt_tokens"] = 100
+    path = tmp_path / "runs.jsonl"
+    RecordWriter(path, fresh=True).write_all(records)
+    seconds = [0.10, 0.12, 0.13, 0.14, 0.15]
+    target = ModelTiming("t", "float32", 64, [1, 2, 3, 4, 5], seconds)
+    plain = CalibrationProfile({"processor": "test"}, 1e10, 1e10, 1e11, target,
+                               ModelTiming("d", "float32", 64, [1, 2], [0.02, 0.03]))
+    reading = CalibrationProfile({"processor": "test"}, 1e10, 1e10, 1e11, target,
+                                 ModelTiming("d", "float32", 64, [1, 2], [0.02, 0.03], 0, [50, 200], [0.05, 0.2]))
+    plain.save(tmp_path / "plain.json")
+    reading.save(tmp_path / "reading.json")
+    without = report.build_report(path, profile=tmp_path / "plain.json").rows[0].predicted
+    with_reading = report.build_report(path, profile=tmp_path / "reading.json").rows[0].predicted
+    # 100 prompt tokens take 0.1 s = 1 target step, spread over the 8 tokens after the first
+    alpha, r = alpha_from_counts(4, 4), (lambda m: seconds[m - 1] / seconds[0])
+    assert without == pytest.approx(predict_speedup(alpha, 4, 0.2, r, draft_r2=1.5))
+    assert with_reading == pytest.approx(predict_speedup(alpha, 4, 0.2, r, draft_r2=1.5, prompt_cost=1 / 8))
+    assert with_reading < without
+
+
 def test_report_cli_reaudits_a_doctored_timing(tmp_path, capsys):
     records = [fake_run("1", 0, 10.0), fake_run("1", 0, 50.0, "d", 4, accepted=0, drafted=16)]
     path = tmp_path / "runs.jsonl"

@@ -84,3 +84,7 @@ def print_profile(console, profile) -> None:
     if profile.c is not None:
         console.print(f"c = t_draft(1) / t_target(1) = {profile.draft.t(1) * 1e3:.1f} / "
                       f"{profile.target.t(1) * 1e3:.1f} ms = [bold]{profile.c:.3f}[/bold]")
+    draft = profile.draft
+    if draft is not None and draft.prefill_lengths:
+        reads = ", ".join(f"{n} tokens {s * 1e3:.0f} ms" for n, s in zip(draft.prefill_lengths, draft.prefill_seconds))
+        console.print(f"the draft reads a prompt once per request: {reads}")

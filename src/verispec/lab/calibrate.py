@@ -12,7 +12,9 @@ A profile is saved as JSON:
     {"format": "verispec-calibration/1", "created": ..., "machine": {...},
      "copy_bytes_per_s": ..., "read_bytes_per_s": ..., "matmul_flops_per_s": ...,
      "target": {"model", "weights", "context", "positions": [1..M], "seconds": [...],
-                "weight_bytes"}, "draft": {... the same, usually positions [1, 2]}}
+                "weight_bytes"}, "draft": {... the same, usually positions [1, 2], with
+                "prefill_lengths" and "prefill_seconds": the draft reading prompts of those
+                lengths, a cost a draft model pays once per request}}
 
 `load_profile(path)` reads one back; `profile.costs()` gives the cost model's MeasuredCosts.
 """
@@ -121,6 +123,8 @@ class ModelTiming:
     positions: list[int]
     seconds: list[float]  # median time of one pass over positions[i]
     weight_bytes: int = 0
+    prefill_lengths: list[int] = field(default_factory=list)  # prompts read into an empty cache
+    prefill_seconds: list[float] = field(default_factory=list)
 
     def t(self, positions: int) -> float:
         return self.seconds[self.positions.index(positions)]
@@ -169,11 +173,41 @@ def time_passes(model: torch.nn.Module, positions: Sequence[int], context: int =
     return [statistics.median(samples[m]) for m in positions]
 
 
+@torch.inference_mode()
+def time_prefills(model: torch.nn.Module, lengths: Sequence[int], repeats: int = 3, seed: int = 0) -> list[float]:
+    """Median seconds to read a prompt of each length into an empty cache, as a draft does
+    once per request before its first round."""
+    if not lengths or min(lengths) < 1:
+        raise VerispecError("prompt lengths to time must be whole numbers >= 1")
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    cache = model.new_cache(max(lengths))
+    prompts = {n: torch.randint(0, model.config.vocab_size, (1, n), generator=generator).to(device) for n in lengths}
+
+    def one_prefill(n: int) -> float:
+        cache.rollback(0)
+        _sync(device)
+        started = time.perf_counter()
+        model(prompts[n], cache, last_only=True)
+        _sync(device)
+        return time.perf_counter() - started
+
+    for n in lengths:  # warm-up
+        one_prefill(n)
+    samples: dict[int, list[float]] = {n: [] for n in lengths}
+    for _ in range(max(1, repeats)):
+        for n in lengths:
+            samples[n].append(one_prefill(n))
+    return [statistics.median(samples[n]) for n in lengths]
+
+
 def time_model(loaded, positions: Sequence[int], context: int = 64, repeats: int = 5,
-               last_only: bool = False) -> ModelTiming:
-    """Time a LoadedModel's passes (see `time_passes`)."""
+               last_only: bool = False, prefill_lengths: Sequence[int] = ()) -> ModelTiming:
+    """Time a LoadedModel's passes (see `time_passes`) and, if asked, its prefills."""
     seconds = time_passes(loaded.model, positions, context, repeats, last_only)
-    return ModelTiming(loaded.name, loaded.weights, context, list(positions), seconds, loaded.weight_bytes())
+    prefills = time_prefills(loaded.model, prefill_lengths, repeats) if prefill_lengths else []
+    return ModelTiming(loaded.name, loaded.weights, context, list(positions), seconds, loaded.weight_bytes(),
+                       list(prefill_lengths), prefills)
 
 
 # ---------------------------------------------------------------- the profile
@@ -204,7 +238,8 @@ class CalibrationProfile:
             raise VerispecError("this profile has no target and draft timings; "
                                 "run `verispec calibrate --model T --draft D --out profile.json`")
         two = self.draft.t(2) if 2 in self.draft.positions else None
-        return MeasuredCosts(dict(zip(self.target.positions, self.target.seconds)), self.draft.t(1), two)
+        return MeasuredCosts(dict(zip(self.target.positions, self.target.seconds)), self.draft.t(1), two,
+                             dict(zip(self.draft.prefill_lengths, self.draft.prefill_seconds)) or None)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"format": PROFILE_FORMAT, **asdict(self)}
@@ -243,8 +278,12 @@ def load_profile(path: str | Path) -> CalibrationProfile:
     return CalibrationProfile.from_dict(data)
 
 
+DRAFT_PREFILL_LENGTHS = (32, 128, 512)
+
+
 def calibrate(target=None, draft=None, max_m: int = 32, context: int = 64, repeats: int = 5,
               buffer_bytes: int = 512 * 2**20, device: str = "cpu",
+              prefill_lengths: Sequence[int] = DRAFT_PREFILL_LENGTHS,
               log: Callable[[str], None] = lambda _: None) -> CalibrationProfile:
     """Measure the machine and, given LoadedModels, the target's t(1..max_m) and the draft's step."""
     if max_m < 1:
@@ -258,6 +297,7 @@ def calibrate(target=None, draft=None, max_m: int = 32, context: int = 64, repea
         log(f"timing {target.name}: passes over 1..{max_m} positions")
         profile.target = time_model(target, range(1, max_m + 1), context, repeats)
     if draft is not None:
-        log(f"timing {draft.name}: draft steps")
-        profile.draft = time_model(draft, [1, 2], context, repeats, last_only=True)
+        log(f"timing {draft.name}: draft steps and prompt reading")
+        lengths = [n for n in prefill_lengths if n < draft.config.max_position_embeddings]
+        profile.draft = time_model(draft, [1, 2], context, repeats, last_only=True, prefill_lengths=lengths)
     return profile

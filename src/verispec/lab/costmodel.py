@@ -19,11 +19,15 @@ Costs come either from that roofline (`RooflineCosts`, from model shapes and a
 
 The API the lab uses:
 
-    predict_speedup(alpha, gamma, c, r_of_m, draft_r2=1.0) -> float
+    predict_speedup(alpha, gamma, c, r_of_m, draft_r2=1.0, prompt_cost=0.0) -> float
         r_of_m: a callable m -> r(m), a sequence [r(1), r(2), ...] or a mapping {m: r(m)}.
         draft_r2 = t_draft(2) / t_draft(1): after a fully kept round (probability α^γ)
         verispec's draft feeds the last draft and the bonus token together, so that
         step costs a two-position pass; 1.0 gives the textbook γ·c.
+        prompt_cost: the draft's reading of the prompt, in target steps per decoded
+        token (see `draft_prompt_cost`). A draft model must read the prompt before it can
+        draft, once per request; the textbook formula leaves it out, and for a
+        request of a hundred tokens after a prompt of a hundred it is worth ~10%.
     predict(costs, alpha, gamma) -> Prediction (baseline and speculative tok/s, speed-up)
     alpha_from_counts(accepted, rejected) -> α
         SpecStats.acceptance_rate (accepted / drafted) is not α: after the first
@@ -35,6 +39,7 @@ The API the lab uses:
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -45,7 +50,7 @@ from verispec.errors import VerispecError
 from verispec.spec.gamma import expected_tokens
 
 __all__ = [
-    "expected_tokens", "draft_cost", "speedup", "predict_speedup", "expected_distinct_experts", "alpha_from_counts",
+    "expected_tokens", "draft_cost", "speedup", "draft_prompt_cost", "predict_speedup", "expected_distinct_experts", "alpha_from_counts",
     "WeightFormat", "WEIGHT_FORMATS", "ModelShape", "shape_from_config", "Hardware", "HARDWARE",
     "MODEL_PRESETS", "model_preset", "hardware_preset", "shape_from_gguf", "shape_from_hf_folder",
     "shape_from_loaded", "resolve_shape", "PassCost", "RooflineCosts", "MeasuredCosts",
@@ -65,9 +70,20 @@ def draft_cost(alpha: float, gamma: int, c: float, draft_r2: float = 1.0) -> flo
     return c * (gamma + alpha ** gamma * (draft_r2 - 1.0))
 
 
-def speedup(alpha: float, gamma: int, c: float, r_next: float, draft_r2: float = 1.0) -> float:
-    """Speed-up of one cycle over plain decoding, given r(γ+1) as a number."""
-    return expected_tokens(alpha, gamma) / (draft_cost(alpha, gamma, c, draft_r2) + r_next)
+def speedup(alpha: float, gamma: int, c: float, r_next: float, draft_r2: float = 1.0,
+            prompt_cost: float = 0.0) -> float:
+    """Speed-up over plain decoding, given r(γ+1) as a number: a token costs a cycle's
+    cost over its expected tokens, plus its share of the draft's prompt reading."""
+    tokens = expected_tokens(alpha, gamma)
+    return 1.0 / ((draft_cost(alpha, gamma, c, draft_r2) + r_next) / tokens + prompt_cost)
+
+
+def draft_prompt_cost(draft_prefill_s: float, target_step_s: float, decoded_tokens: float) -> float:
+    """The draft's prompt reading in target steps per decoded token: a request's one-off
+    draft prefill spread over the tokens it decodes (those after the first)."""
+    if decoded_tokens <= 0 or target_step_s <= 0:
+        return 0.0
+    return draft_prefill_s / target_step_s / decoded_tokens
 
 
 def _r_lookup(r_of_m: Callable[[int], float] | Sequence[float] | Mapping[int, float]) -> Callable[[int], float]:
@@ -80,11 +96,12 @@ def _r_lookup(r_of_m: Callable[[int], float] | Sequence[float] | Mapping[int, fl
 
 def predict_speedup(alpha: float, gamma: int, c: float,
                     r_of_m: Callable[[int], float] | Sequence[float] | Mapping[int, float],
-                    draft_r2: float = 1.0) -> float:
-    """E[tokens per cycle] / (γ·c + r(γ+1)); γ = 0 is plain decoding (1.0)."""
+                    draft_r2: float = 1.0, prompt_cost: float = 0.0) -> float:
+    """E[tokens per cycle] / (γ·c + r(γ+1)), less the draft's prompt reading; γ = 0 is
+    plain decoding (1.0)."""
     if gamma == 0:
         return 1.0
-    return speedup(alpha, gamma, c, _r_lookup(r_of_m)(gamma + 1), draft_r2)
+    return speedup(alpha, gamma, c, _r_lookup(r_of_m)(gamma + 1), draft_r2, prompt_cost)
 
 
 def expected_distinct_experts(num_experts: int, top_k: int, positions: int) -> float:
@@ -614,6 +631,7 @@ class MeasuredCosts:
     target_s: Mapping[int, float]  # m -> seconds of one target pass over m positions
     draft_step_s: float
     draft_two_s: float | None = None  # the draft's pass over two positions, when measured
+    draft_prefill_s: Mapping[int, float] | None = None  # prompt length -> the draft's prefill seconds
 
     def __post_init__(self) -> None:
         if 1 not in self.target_s:
@@ -651,6 +669,23 @@ class MeasuredCosts:
 
     def r(self, positions: int) -> float:
         return self.t_target(positions) / self.target_step_s
+
+    def draft_prefill(self, prompt_tokens: float) -> float:
+        """Seconds the draft spends reading a prompt of this length: linear between the
+        measured lengths (a prefill's cost grows with its length), 0 when not measured."""
+        if not self.draft_prefill_s:
+            return 0.0
+        known = sorted(self.draft_prefill_s)
+        if len(known) == 1:
+            return self.draft_prefill_s[known[0]] * prompt_tokens / known[0]
+        i = min(max(bisect.bisect_left(known, prompt_tokens), 1), len(known) - 1)
+        lo, hi = known[i - 1], known[i]
+        slope = (self.draft_prefill_s[hi] - self.draft_prefill_s[lo]) / (hi - lo)
+        return max(0.0, self.draft_prefill_s[lo] + slope * (prompt_tokens - lo))
+
+    def prompt_cost(self, prompt_tokens: float, decoded_tokens: float) -> float:
+        """The draft's prompt reading in target steps per decoded token (see `draft_prompt_cost`)."""
+        return draft_prompt_cost(self.draft_prefill(prompt_tokens), self.target_step_s, decoded_tokens)
 
 
 # ---------------------------------------------------------------- predictions

@@ -46,6 +46,8 @@ class Row:
     recovered: int = 0
     acceptance_by_position: list[float] = field(default_factory=list)
     split_ms: dict[str, float] = field(default_factory=dict)  # per timed token
+    prompt_tokens: float = 0.0  # mean over the row's runs
+    decoded_tokens: float = 0.0  # mean tokens after the first, the ones tok/s counts
     verdict: Verdict = field(default_factory=Verdict)
     predicted: float | None = None
 
@@ -111,6 +113,8 @@ def _row(key: tuple, runs: list[dict], baselines: dict[tuple, float], slack: flo
     row.baseline_tok_s = _median(baselines[key] for key in per_prompt)
 
     counted = kept or runs  # acceptance does not depend on timing
+    row.prompt_tokens = statistics.fmean(run.get("prompt_tokens", 0) for run in counted)
+    row.decoded_tokens = statistics.fmean(max(run["completion_tokens"] - 1, 0) for run in counted)
     stats = [run["spec"] for run in counted if run.get("spec")]
     drafted = sum(s["drafted"] for s in stats)
     row.accepted = sum(s["accepted"] for s in stats)
@@ -174,9 +178,10 @@ def _split_ms(runs: Iterable[dict]) -> dict[str, float]:
 def predictor(profile_path: str | Path) -> Callable[[Row], float | None]:
     """The cost model's predicted speed-up for a row, from a calibration profile of this machine.
 
-    α is estimated from the row's counts (accepted / (accepted + rejections)); c is the
-    profile's draft cost for draft models and zero for prompt lookup and synthetic drafts.
-    Rows of another target than the profile's, and adaptive rows, get no prediction.
+    α is estimated from the row's counts (accepted / (accepted + rejections)); c, the draft's
+    two-position step and its reading of the prompt (spread over the row's decoded tokens)
+    come from the profile for draft models, and are zero for prompt lookup and synthetic
+    drafts. Rows of another target than the profile's, and adaptive rows, get no prediction.
     """
     try:
         from verispec.lab.calibrate import load_profile
@@ -186,16 +191,19 @@ def predictor(profile_path: str | Path) -> Callable[[Row], float | None]:
     profile = load_profile(profile_path)
     if profile.target is None:
         raise VerispecError(f"{profile_path}: the profile has no target timings to predict from")
-    costs = MeasuredCosts(dict(zip(profile.target.positions, profile.target.seconds)),
-                          profile.draft.t(1) if profile.draft else 0.0)
+    costs = profile.costs() if profile.draft else MeasuredCosts(
+        dict(zip(profile.target.positions, profile.target.seconds)), 0.0)
 
     def predict(row: Row) -> float | None:
         if row.adaptive or row.target != profile.target.model or row.weights != profile.target.weights:
             return None
-        c = profile.c if row.proposer_kind == "draft" else 0.0
-        if c is None:
+        alpha = alpha_from_counts(row.accepted, row.recovered)
+        if row.proposer_kind != "draft":
+            return predict_speedup(alpha, row.gamma, 0.0, costs.r)
+        if profile.draft is None:
             return None
-        return predict_speedup(alpha_from_counts(row.accepted, row.recovered), row.gamma, c, costs.r)
+        return predict_speedup(alpha, row.gamma, costs.c, costs.r, costs.draft_r2,
+                               costs.prompt_cost(row.prompt_tokens, row.decoded_tokens))
 
     return predict
 
