@@ -218,15 +218,23 @@ def test_gpu_benchmark_runs_on_the_cpu_at_toy_sizes(tmp_path):
         assert model["step_bytes"] > 0
 
 
-def test_adaptive_draft_reads_a_long_prompt_between_plain_steps(folder, tmp_path):
+def test_adaptive_draft_reads_only_the_recent_context_of_a_long_prompt(folder, tmp_path):
     from verispec.generate import READY_LAG
+    from verispec.spec.draft_model import DraftModelProposer
 
     target = load_model(folder)
     tiny.save_hf_model(tmp_path, "qwen2", seed=3, num_hidden_layers=1)
     draft = load_model(tmp_path)
     prompt = "the cat sat on the mat. " * 4  # longer than READY_LAG tokens
-    assert len(target.tokenizer.encode(prompt)) > READY_LAG
+    prompt_tokens = len(target.tokenizer.encode(prompt))
+    assert prompt_tokens > READY_LAG
     baseline = generate(target, prompt, max_tokens=40, ignore_eos=True)
-    result = generate(target, prompt, draft=draft, gamma=4, adaptive="cost", max_tokens=40, ignore_eos=True)
+    proposer = DraftModelProposer(draft, vocab_limit=target.config.vocab_size)
+    result = generate(target, prompt, draft=proposer, gamma=4, adaptive="cost", max_tokens=40, ignore_eos=True)
     assert result.token_ids == baseline.token_ids
-    assert result.spec.gammas[1] == 0  # the first rounds decode plainly while the draft reads
+    assert result.spec.gammas[1] == 0 and result.spec.gammas[2] > 0  # one plain step to time, then a draft
+    assert proposer.offset == prompt_tokens + 2 - READY_LAG  # it skipped all but the last READY_LAG tokens
+    # without --adaptive the draft reads the whole prompt up front
+    fixed = DraftModelProposer(draft, vocab_limit=target.config.vocab_size)
+    assert generate(target, prompt, draft=fixed, gamma=4, max_tokens=40, ignore_eos=True).token_ids == baseline.token_ids
+    assert fixed.offset == 0

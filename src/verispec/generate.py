@@ -24,12 +24,12 @@ from verispec.spec.proposer import Proposer
 from verispec.spec.verifier import verify_greedy, verify_sampling
 
 MAX_GAMMA = 32
-# With --adaptive, a draft model reads a long prompt in slices between plain decoding steps,
-# spending at most this share of the time decoded so far, so that a request whose output
-# is short or whose drafts are rejected never pays for a whole draft prefill up front.
-CATCH_UP_SHARE = 0.05
-CATCH_UP_SLICE = 32
-READY_LAG = 64  # a draft this close behind catches up within its next round
+# With --adaptive, a draft model reads the context only when it is about to draft, and no
+# more than its last READY_LAG unread tokens: before its first round, and before a probe
+# after many plain rounds, it skips the older context. A long prompt's full prefill, or a
+# draft kept reading while speculation does not pay, would cost a large part of a short
+# request, and --adaptive promises never to be much slower than plain decoding.
+READY_LAG = 32
 
 
 class TextAssembler:
@@ -171,7 +171,6 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
         stats.bonus = 0
     decode_started = time.perf_counter()
     lazy = bool(adaptive) and hasattr(proposer, "catch_up")
-    catch_up_s = 0.0
     if proposer is not None and finish is None:
         t0 = time.perf_counter()
         proposer.start(prompt_ids, max_len, **({"prefill": False} if lazy else {}))
@@ -181,9 +180,11 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
         remaining = max_tokens - len(out_ids)
         g = min(policy.choose(), remaining - 1, max_len - len(context) - 1) if proposer else 0
         g = max(g, 0)
-        if lazy and g > 0 and proposer.lag(context) > READY_LAG:
-            g = 0  # the draft is still reading the prompt: decode plainly meanwhile
         drafts, draft_probs, draft_s = [], None, 0.0
+        if g > 0 and lazy and proposer.lag(context) > 2:
+            t0 = time.perf_counter()  # drafting time, but not the cost of drafts the policy weighs
+            proposer.catch_up(context, READY_LAG)
+            stats.draft_s += time.perf_counter() - t0
         if g > 0:
             t0 = time.perf_counter()
             proposal = proposer.propose(context, g, params, generator)
@@ -201,12 +202,6 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
         if proposer is not None:
             proposer.commit(kept)
         verify_s = time.perf_counter() - t0
-        if lazy and not drafts and proposer.lag(context) > 1 and \
-                catch_up_s <= CATCH_UP_SHARE * (time.perf_counter() - decode_started):
-            t1 = time.perf_counter()
-            proposer.catch_up(context, CATCH_UP_SLICE)
-            catch_up_s += time.perf_counter() - t1
-            stats.draft_s += time.perf_counter() - t1
         stats.draft_s += draft_s
         stats.verify_s += verify_s
         policy.update(len(drafts), verdict.accepted, draft_s, verify_s)

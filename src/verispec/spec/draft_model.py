@@ -16,6 +16,9 @@ class DraftModelProposer:
     round the last draft plus the bonus token together, in one pass rather
     than an extra one. The γ-th draft is never fed: if it is kept, it is fed
     together with the next round's first token.
+
+    The draft may also skip the past (`catch_up`) and read only the last tokens
+    of the context: its cache then starts `offset` tokens into it.
     """
 
     def __init__(self, loaded, name: str | None = None, vocab_limit: int | None = None):
@@ -25,32 +28,40 @@ class DraftModelProposer:
         self.model = loaded.model
         self.name = name or loaded.name
         self.cache = None
+        self.offset = 0  # context tokens before the draft's cache starts, never read
         self.device = loaded.device
 
     @torch.inference_mode()
     def start(self, prompt_ids: list[int], max_len: int, prefill: bool = True) -> None:
         """Prefill the prompt, so that the first round pays only for drafting. Without
-        `prefill` the draft reads the prompt later: through `catch_up`, or in its first round."""
+        `prefill` the draft reads the prompt later, in its first round or through `catch_up`."""
         self.cache = self.model.new_cache(max_len)
+        self.offset = 0
         if prefill:
             self.model(torch.tensor([prompt_ids], device=self.device), self.cache, last_only=True)
 
     def lag(self, context: list[int]) -> int:
         """How many tokens of the context the draft has not read yet."""
-        return len(context) - self.cache.length
+        return len(context) - self.offset - self.cache.length
 
     @torch.inference_mode()
-    def catch_up(self, context: list[int], tokens: int) -> None:
-        """Read up to `tokens` more tokens of the context (never its last, which `propose` feeds)."""
-        end = min(len(context) - 1, self.cache.length + tokens)
-        if end > self.cache.length:
-            feed = torch.tensor([context[self.cache.length:end]], device=self.device)
-            self.model(feed, self.cache, last_only=True)
+    def catch_up(self, context: list[int], window: int) -> None:
+        """Read the context not read yet, all but its last token (which `propose` feeds) and at
+        most `window` tokens: further behind, the draft forgets what it read and starts over
+        on the last `window` tokens. Rotary positions are relative, so it continues the
+        recent text as it would in the full one, only without the older context; the
+        target's verification keeps the output exact either way."""
+        if self.lag(context) > window:
+            self.offset = max(0, len(context) - window)
+            self.cache.rollback(0)
+        start, end = self.offset + self.cache.length, len(context) - 1
+        if end > start:
+            self.model(torch.tensor([context[start:end]], device=self.device), self.cache, last_only=True)
 
     @torch.inference_mode()
     def propose(self, context: list[int], gamma: int, params: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:
-        pending = context[self.cache.length:]
+        pending = context[self.offset + self.cache.length:]
         feed = torch.tensor([pending], device=self.device)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
@@ -68,5 +79,6 @@ class DraftModelProposer:
         return Proposal(tokens, torch.stack(rows) if rows else None)
 
     def commit(self, length: int) -> None:
+        length -= self.offset
         if self.cache.length > length:
             self.cache.rollback(length)

@@ -6,7 +6,9 @@ The cost-aware policy picks the γ that maximises expected tokens per second,
 
 from the acceptance α observed so far and the draft and verify times measured
 in this very request. γ = 0 is plain decoding; the policy falls back to it
-when speculation does not pay, and probes now and then to notice a change.
+when speculation does not promise at least `margin` more (what the formula leaves
+out, the draft's reading and the bookkeeping, comes off any gain), and probes now
+and then to notice a change, ever more rarely while it does not pay.
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ class HeuristicGamma:
 class CostAwareGamma:
     max_gamma: int = 16
     decay: float = 0.9  # weight of the past in the running estimates
-    probe_every: int = 16  # plain rounds between probes once speculation was given up
-    probe_gamma: int = 2
+    probe_every: int = 64  # plain rounds before the first probe once speculation was given up
+    probe_gamma: int = 2  # also the γ of the first speculative round
+    margin: float = 0.05  # speculate only when it promises at least this much more
     prior_alpha: float = 0.6
     prior_weight: float = 2.0
     kept: float = 0.0
@@ -90,10 +93,10 @@ class CostAwareGamma:
 
     def choose(self) -> int:
         if self.draft_step_s is None or 1 not in self.verify_s:
-            # measure both costs first: one plain step, then speculate at a middling γ
-            return 0 if 1 not in self.verify_s else 4
+            # measure both costs first: one plain step, then a short speculative round
+            return 0 if 1 not in self.verify_s else self.probe_gamma
         alpha = self.alpha
-        best_gamma, best_rate = 0, 1.0 / self.verify_s[1]
+        best_gamma, best_rate = 0, (1.0 + self.margin) / self.verify_s[1]
         for gamma in range(1, self.max_gamma + 1):
             cost = gamma * self.draft_step_s + self.verify_time(gamma + 1)
             rate = expected_tokens(alpha, gamma) / cost
@@ -105,7 +108,7 @@ class CostAwareGamma:
             self.probe_interval = self.probe_interval or self.probe_every
             if self.plain_rounds >= self.probe_interval:
                 self.plain_rounds = 0
-                self.probe_interval = min(2 * self.probe_interval, 16 * self.probe_every)
+                self.probe_interval = min(2 * self.probe_interval, 8 * self.probe_every)
                 return self.probe_gamma
         else:
             self.plain_rounds, self.probe_interval = 0, 0
