@@ -4,6 +4,7 @@ the weight cache round-trips, and the GPU benchmark runs (on the CPU, at toy siz
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -16,12 +17,34 @@ import tiny
 from verispec import kernels
 from verispec.generate import generate
 from verispec.loading import load_model
-from verispec.quant import FORMATS, Int4Linear, int4_from_gguf, int4_to_float, weight_bytes
+from verispec.quant import (FORMATS, Int4Linear, fuse, int4_from_gguf, int4_from_panels, int4_to_float,
+                            round_activations, weight_bytes)
 
 PROMPT = "the cat sat on the mat. the cat"
 REPO = Path(__file__).resolve().parents[1]
 
 needs_kernels = pytest.mark.skipif(kernels.cpu_kernels() is None, reason="the CPU kernels could not be built")
+needs_vnni = pytest.mark.skipif(not hasattr(kernels.cpu_kernels(), "linear_int4_panels"),
+                                reason="the int4 kernel with int8 activations needs AVX-512 VNNI")
+
+
+@contextlib.contextmanager
+def _plain_path(as_int4_kernel: bool = False):
+    """PyTorch's path instead of the kernels. With `as_int4_kernel`, int4 layers that run on
+    the VNNI kernel (those in its panel layout) first round their activations to int8 as that
+    kernel does, so the two paths compute the same function and differ only in float32
+    rounding; elsewhere this changes nothing."""
+    kernels.set_enabled(False)
+    patch = pytest.MonkeyPatch()
+    if as_int4_kernel:
+        exact = Int4Linear.torch_product
+        patch.setattr(Int4Linear, "torch_product",
+                      lambda self, rows: exact(self, round_activations(rows) if self.panels is not None else rows))
+    try:
+        yield
+    finally:
+        patch.undo()
+        kernels.set_enabled(True)
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +81,8 @@ def test_every_format_decodes_and_matches_the_plain_path(folder, fmt):
     assert loaded.model.fast_path is not None
     fast = generate(loaded, PROMPT, max_tokens=24, ignore_eos=True)
     reference = _plain_reference(folder, fmt)
-    kernels.set_enabled(False)
-    try:
+    with _plain_path(as_int4_kernel=True):
         plain = generate(reference if fmt == "bfloat16" else loaded, PROMPT, max_tokens=24, ignore_eos=True)
-    finally:
-        kernels.set_enabled(True)
     assert len(fast.token_ids) == 24
     assert fast.token_ids == plain.token_ids
 
@@ -115,16 +135,93 @@ def test_formats_decode_without_the_kernels(folder, fmt):
     loaded = _load(folder, fmt)
     ids = torch.tensor([[5, 77, 100, 3, 9]])
     with torch.inference_mode():
-        kernels.set_enabled(False)
-        try:
+        with _plain_path():
             result = generate(loaded, PROMPT, max_tokens=16, ignore_eos=True)
             plain = loaded.model(ids, loaded.model.new_cache(8))
-        finally:
-            kernels.set_enabled(True)
         fast = loaded.model(ids, loaded.model.new_cache(8))
+        with _plain_path(as_int4_kernel=True):
+            same_function = loaded.model(ids, loaded.model.new_cache(8))
     assert len(result.token_ids) == 16
     if kernels.cpu_kernels() is not None:
-        assert (plain - fast).abs().max() <= 1e-3 * fast.abs().max()
+        scale = fast.abs().max()
+        assert (same_function - fast).abs().max() <= 1e-3 * scale  # float32 rounding only
+        # Rounding activations to int8 (the VNNI int4 kernel) moves each product by up to
+        # max|x| / 254 per group times the weights' sum; through the tiny model's layers
+        # the logits moved by 1.8% of the largest one when this was written. A layout or
+        # scale mistake moves them by about 100%.
+        rounded = fmt == "int4" and hasattr(kernels.cpu_kernels(), "linear_int4_panels")
+        assert (plain - fast).abs().max() <= (4e-2 if rounded else 1e-3) * scale
+
+
+def _int4_layer(rows: int, cols: int, seed: int = 0) -> tuple[Int4Linear, torch.Tensor, torch.Tensor]:
+    """A random int4 layer with bias, and rows of activations with a few large outliers, as LLMs have."""
+    gen = torch.Generator().manual_seed(seed)
+    layer = Int4Linear.from_float(torch.randn(rows, cols, generator=gen), torch.randn(rows, generator=gen))
+    x = torch.randn(12, cols, generator=gen)
+    x = x * torch.where(torch.rand(12, cols, generator=gen) < 0.03, 20.0, 1.0)
+    return layer, x, torch.randn(12, rows, generator=gen)
+
+
+@needs_vnni
+def test_int4_vnni_kernel_is_the_product_with_int8_rounded_activations():
+    k = kernels.cpu_kernels()
+    layer, x, residual = _int4_layer(48, 256)
+    nibbles, scales, weight = layer.nibbles, layer.scales, layer.dense_weight()
+    panels = k.int4_to_panels(nibbles, scales)
+    # the panel layout holds the same weights
+    assert [torch.equal(a, b) for a, b in zip(int4_from_panels(panels), (nibbles, scales))] == [True, True]
+    assert torch.equal(k.dequantize_int4_panels(panels), weight)
+    vnni = k.linear_int4_panels(x, panels, layer.bias, residual).double()
+    # the activations as the kernel rounds them: within half a step of dx = max|x| / 127
+    rounded = round_activations(x)
+    step = x.reshape(12, -1, 32).abs().amax(-1, keepdim=True) / 127
+    assert bool(((rounded - x).reshape(12, -1, 32).abs() <= step / 2 * (1 + 1e-6)).all())
+    # exactly the int4 weights times those activations, up to float32 rounding
+    w, b, r = weight.double(), layer.bias.double(), residual.double()
+    exact_rounded = rounded.double() @ w.T + b + r
+    magnitude = rounded.double().abs() @ w.abs().T + b.abs() + r.abs()
+    assert bool(((vnni - exact_rounded).abs() <= 1e-5 * magnitude).all())
+    # and the float32 int4 kernel agrees with it to within what rounding x can change:
+    # |sum w (x - rounded)| <= sum |w| |x - rounded|
+    plain = k.linear_int4(x, nibbles, scales, layer.bias, residual).double()
+    bound = (x - rounded).double().abs() @ w.abs().T
+    assert bool(((vnni - plain).abs() <= bound + 1e-5 * magnitude).all())
+    assert (vnni - plain).abs().max() > 0  # the activations really were rounded
+
+
+@needs_vnni
+def test_int4_vnni_rows_are_bit_identical_to_single_rows():
+    k = kernels.cpu_kernels()
+    layer, x, residual = _int4_layer(64, 96, seed=1)
+    panels = k.int4_to_panels(layer.nibbles, layer.scales)
+    x, residual = torch.cat([x, x[:9] * 0.5]), torch.cat([residual, residual[:9]])  # 21 rows: three tiles
+    singles = torch.cat([k.linear_int4_panels(x[i:i + 1], panels, layer.bias, residual[i:i + 1])
+                         for i in range(21)])
+    for m in [*range(1, 13), 21]:
+        assert torch.equal(k.linear_int4_panels(x[:m], panels, layer.bias, residual[:m].contiguous()), singles[:m])
+
+
+@needs_vnni
+def test_int4_layers_switch_to_the_vnni_layout_once_and_keep_the_canonical_one_outside():
+    layer, x, _ = _int4_layer(48, 64)
+    odd, _, _ = _int4_layer(40, 64)  # not a multiple of 16 columns: stays on the float32 kernel
+    nibbles, scales, weight = layer.nibbles.clone(), layer.scales.clone(), layer.dense_weight()
+    state = {name: t.clone() for name, t in layer.state_dict().items()}
+    y = layer(x[:3])
+    odd(x[:3])
+    assert layer.panels is not None and layer.nibbles is None and odd.panels is None
+    assert weight_bytes(layer) == nibbles.numel() + scales.numel() * 2 + layer.bias.numel() * 4
+    assert torch.equal(layer.dense_weight(), weight)
+    saved = layer.state_dict()
+    assert sorted(saved) == sorted(state) and all(torch.equal(saved[n], state[n]) for n in state)
+    fused = fuse([layer, odd])
+    assert torch.equal(fused.dense_weight(), torch.cat([weight, odd.dense_weight()]))
+    with _plain_path():  # the PyTorch path stays the exact product
+        assert torch.allclose(layer(x[:3]), x[:3] @ weight.T + layer.bias, rtol=1e-5, atol=1e-4)
+    assert torch.equal(layer(x[:3]), y)
+    layer.load_state_dict(state)  # loading the canonical layout works in either layout
+    assert layer.panels is None and torch.equal(layer.nibbles, nibbles)
+    assert torch.equal(layer(x[:3]), y)
 
 
 def test_quantised_weights_are_smaller_and_close(folder):

@@ -11,6 +11,15 @@ int4 weights come straight from a GGUF file's 4-bit blocks where it has them: Q4
 and Q4_K blocks are exactly s*q + z per 32 weights, so they are repacked without passing
 through float32 (only the scale and offset are rounded to float16). Tensors stored at
 higher precision (Q5_0, Q6_K, Q8_0, float) are quantised to 4 bits from their values.
+
+On CPUs with AVX-512 VNNI the int4 kernel also rounds the activations, per row, to int8 in
+groups of 32 (`round_activations`, as llama.cpp does for its 4-bit formats) and multiplies
+with 8-bit integer dot products: dequantising to float32 made every row cost 4 FMAs per 64
+weights, so one-row decoding was compute-bound on a fast memory system and each extra row
+of a verification pass cost nearly as much as the first. The result is the int4 weights
+times the rounded activations (a relative error of a few thousandths per product), still
+batch-invariant because rows are rounded one by one. The PyTorch path stays the exact
+reference; other CPUs keep the float32 int4 kernel.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from verispec.kernels import cpu_kernels
 FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GROUP = 32  # int4 group size along the input features
+PANEL = 16  # output columns per panel of the VNNI int4 layout
 KERNEL_MAX_ROWS = 64  # more rows (a long prompt) go to a dense GEMM instead
 
 
@@ -149,7 +159,14 @@ class Int8Linear(PackedLinear):
 
 class Int4Linear(PackedLinear):
     """4-bit groups of 32: `nibbles` [out, in/2] uint8 (byte j of a group: weight j low,
-    weight j+16 high) and `scales` [out, in/32, 2] float16 (scale s, offset z; w = s*q + z)."""
+    weight j+16 high) and `scales` [out, in/32, 2] float16 (scale s, offset z; w = s*q + z).
+
+    That canonical layout is what the layer is built from, fused, cached and saved as. On a
+    CPU with AVX-512 VNNI, the first use of the kernel rearranges it once into `panels`
+    (16 output columns per panel, `linear_int4_panels`) and drops the canonical tensors;
+    `state_dict()`, `packed()` and `dense_weight()` still give the canonical layout's contents.
+    Layers whose output size is not a multiple of 16 keep the float32 int4 kernel.
+    """
 
     fmt = "int4"
     STORED = ("nibbles", "scales")
@@ -159,20 +176,63 @@ class Int4Linear(PackedLinear):
         super().__init__(nibbles.shape[1] * 2, nibbles.shape[0], bias)
         self.register_buffer("nibbles", nibbles.contiguous())
         self.register_buffer("scales", scales.to(torch.float16).contiguous())
+        self.register_buffer("panels", None, persistent=False)  # the state dict holds the canonical layout
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int4Linear":
         return cls(*int4_from_float(weight), bias)
 
+    def _use_panels(self, kernels) -> None:
+        """Switch to the VNNI kernel's layout, once, where the kernels have it."""
+        if (self.panels is None and kernels is not None and hasattr(kernels, "int4_to_panels")
+                and self.out_features % PANEL == 0 and self.nibbles.device.type == "cpu"):
+            self.panels = kernels.int4_to_panels(self.nibbles, self.scales)
+            self.nibbles = self.scales = None
+            self.STORED, self.KERNEL = ("panels",), "linear_int4_panels"
+
+    def kernel_ready(self) -> bool:
+        self._use_panels(cpu_kernels())
+        return super().kernel_ready()
+
+    def kernel(self, kernels, x, residual):
+        self._use_panels(kernels)
+        return super().kernel(kernels, x, residual)
+
+    def bound_kernel(self, kernels):
+        self._use_panels(kernels)
+        return super().bound_kernel(kernels)
+
+    def canonical(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(nibbles, scales), whichever layout the layer runs."""
+        if self.panels is None:
+            return self.nibbles, self.scales
+        return int4_from_panels(self.panels)
 
     def dense_weight(self):
-        kernels = cpu_kernels() if self.nibbles.device.type == "cpu" else None
-        if kernels is not None:
-            return kernels.dequantize_int4(self.nibbles, self.scales)
-        return int4_to_float(self.nibbles, self.scales)
+        stored = self.nibbles if self.panels is None else self.panels
+        kernels = cpu_kernels() if stored.device.type == "cpu" else None
+        if self.panels is None:
+            if kernels is not None:
+                return kernels.dequantize_int4(self.nibbles, self.scales)
+            return int4_to_float(self.nibbles, self.scales)
+        if kernels is not None and hasattr(kernels, "dequantize_int4_panels"):
+            return kernels.dequantize_int4_panels(self.panels)
+        return int4_to_float(*int4_from_panels(self.panels))
 
     def packed(self):
-        return [self.nibbles, self.scales]
+        return list(self.canonical())
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.panels is not None:
+            destination[prefix + "nibbles"], destination[prefix + "scales"] = self.canonical()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if self.panels is not None:  # back to the canonical layout, which the state dict holds
+            self.nibbles, self.scales = self.canonical()
+            self.panels = None
+            del self.STORED, self.KERNEL
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 # ------------------------------------------------------------------ int4 packing
@@ -189,6 +249,27 @@ def int4_to_float(nibbles: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     q = torch.cat([groups & 15, groups >> 4], dim=-1).float()
     s, z = scales.float().unbind(-1)
     return torch.addcmul(z[..., None], q, s[..., None]).reshape(out_features, -1)
+
+
+def int4_from_panels(panels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The canonical (nibbles, scales) of the VNNI kernel's panel layout [out/16, in/32, 320]:
+    per panel and group, 16 scales and 16 offsets as float16, then 4 chunks of 64 bytes in
+    which dword j of chunk t is column j's group bytes 4t..4t+3."""
+    count, groups = panels.shape[:2]
+    scales = panels[..., :64].contiguous().view(torch.float16).reshape(count, groups, 2, PANEL)
+    scales = scales.permute(0, 3, 1, 2).reshape(count * PANEL, groups, 2)
+    nibbles = panels[..., 64:].reshape(count, groups, 4, PANEL, 4).permute(0, 3, 1, 2, 4)
+    return nibbles.reshape(count * PANEL, groups * GROUP // 2), scales.contiguous()
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the VNNI int4 kernel sees it: each row rounded to int8 in groups of 32 along the
+    features (dx = max|x| / 127, dx * round(x / dx)). That kernel computes exactly the
+    product of the int4 weights with these values, up to float32 rounding."""
+    g = x.float().reshape(*x.shape[:-1], -1, GROUP)
+    dx = g.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(g / torch.where(dx > 0, dx, torch.ones_like(dx))).clamp(-127, 127)
+    return (q * dx).reshape(x.shape)
 
 
 def int4_from_float(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
