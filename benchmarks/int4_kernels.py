@@ -1,0 +1,84 @@
+"""The two int4 products side by side on the 1.5B target's layer shapes: the float32 path
+(`linear_int4`: dequantise by table lookup, float32 FMAs) and the AVX-512 VNNI path
+(`linear_int4_panels`: activations rounded to int8 per group of 32, `vpdpbusd`).
+
+    python benchmarks/int4_kernels.py              # m = 1, 5, 9 on all threads
+    python benchmarks/int4_kernels.py --layers 8 --rows 1 2 5 9 17
+
+One "layer" is Qwen2.5-1.5B's four products (qkv 2048x1536, o 1536x1536, gate_up
+17920x1536, down 1536x8960: 46.8 M weights, 29 MB); several distinct copies are cycled so
+that the weights come from memory, not the 32 MB L3. The paths and row counts are
+interleaved round by round, so a change in machine load hits them alike; medians are given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+SHAPES = ((2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=6, help="distinct copies of the layer (default 6, 175 MB)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 5, 9])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from verispec.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None or not hasattr(kernels, "linear_int4_panels"):
+        print("the VNNI kernel is not built on this machine (needs AVX-512 VNNI)")
+        return 1
+    generator = torch.Generator().manual_seed(0)
+    layers = []
+    for _ in range(args.layers):
+        layer = []
+        for n, k in SHAPES:
+            nibbles = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=generator)
+            scales = (torch.rand(n, k // 32, 2, generator=generator) * 0.02 - 0.01).to(torch.float16)
+            layer.append((nibbles, scales, kernels.int4_to_panels(nibbles, scales)))
+        layers.append(layer)
+    weights = sum(n * k for n, k in SHAPES)
+    inputs = {m: {k: torch.randn(m, k, generator=generator) for k in {k for _, k in SHAPES}} for m in args.rows}
+
+    def run(path: str, m: int) -> float:
+        started = time.perf_counter()
+        for layer in layers:
+            for (nibbles, scales, panels), (n, k) in zip(layer, SHAPES):
+                x = inputs[m][k]
+                if path == "float":
+                    kernels.linear_int4(x, nibbles, scales, None, None)
+                else:
+                    kernels.linear_int4_panels(x, panels, None, None)
+        return (time.perf_counter() - started) / len(layers)
+
+    times: dict[tuple[str, int], list[float]] = {(p, m): [] for p in ("float", "vnni") for m in args.rows}
+    for round_index in range(args.rounds + 1):
+        for m in args.rows:
+            for path in ("float", "vnni"):
+                t = run(path, m)
+                if round_index:
+                    times[path, m].append(t)
+    median = {key: sorted(v)[len(v) // 2] for key, v in times.items()}
+    print(f"int4 products, one 1.5B layer ({weights / 1e6:.1f} M weights), {torch.get_num_threads()} threads, "
+          f"{args.layers} copies, median of {args.rounds}")
+    print(f"{'m':>3} {'float ms':>9} {'vnni ms':>8} {'speed-up':>8} {'float Gw/s':>10} {'vnni Gw/s':>9} "
+          f"{'vnni GB/s':>9} {'r float':>7} {'r vnni':>7}")
+    for m in args.rows:
+        f, v = median["float", m], median["vnni", m]
+        print(f"{m:>3} {f * 1e3:>9.2f} {v * 1e3:>8.2f} {f / v:>8.2f} {weights / f / 1e9:>10.1f} "
+              f"{weights / v / 1e9:>9.1f} {weights * 0.625 / v / 1e9:>9.1f} "
+              f"{f / median['float', args.rows[0]]:>7.2f} {v / median['vnni', args.rows[0]]:>7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
