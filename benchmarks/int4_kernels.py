@@ -4,11 +4,16 @@
 
     python benchmarks/int4_kernels.py              # m = 1, 5, 9 on all threads
     python benchmarks/int4_kernels.py --layers 8 --rows 1 2 5 9 17
+    python benchmarks/int4_kernels.py --model qwen2.5-coder-1.5b   # whole forward passes
 
 One "layer" is Qwen2.5-1.5B's four products (qkv 2048x1536, o 1536x1536, gate_up
 17920x1536, down 1536x8960: 46.8 M weights, 29 MB); several distinct copies are cycled so
 that the weights come from memory, not the 32 MB L3. The paths and row counts are
 interleaved round by round, so a change in machine load hits them alike; medians are given.
+
+With --model, the same comparison on a real model loaded in int4: forward passes over m
+positions after a prompt (as decode_bandwidth.py times them), with the lean forward bound
+once to each kernel and the two swapped round by round.
 """
 
 from __future__ import annotations
@@ -27,9 +32,12 @@ def main() -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 5, 9])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--model", default=None, help="time whole forward passes of this model in int4")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.model:
+        return real_model(args.model, args.rows, args.rounds)
 
     from verispec.kernels import cpu_kernels
 
@@ -77,6 +85,51 @@ def main() -> int:
         print(f"{m:>3} {f * 1e3:>9.2f} {v * 1e3:>8.2f} {f / v:>8.2f} {weights / f / 1e9:>10.1f} "
               f"{weights / v / 1e9:>9.1f} {weights * 0.625 / v / 1e9:>9.1f} "
               f"{f / median['float', args.rows[0]]:>7.2f} {v / median['vnni', args.rows[0]]:>7.2f}")
+    return 0
+
+
+@torch.inference_mode()
+def real_model(name: str, sizes: list[int], rounds: int) -> int:
+    from verispec import quant
+    from verispec.loading import load_model
+
+    loaded = load_model(name, weights="int4")
+    model, fast = loaded.model, loaded.model.fast_path
+    prompt = loaded.tokenizer.encode("def merge(a, b):\n    # merge two sorted lists into one sorted list\n")
+    cache = model.new_cache(len(prompt) + max(sizes) + 1)
+    feed = torch.tensor([prompt])
+    bound = {}
+    switch = quant.Int4Linear._use_panels
+    quant.Int4Linear._use_panels = lambda self, kernels: None  # first bind the float32 int4 kernel
+    try:
+        model(feed, cache)
+    finally:
+        quant.Int4Linear._use_panels = switch
+    bound["float"] = fast.layers, fast.head  # the closures keep the canonical tensors alive
+    fast.layers = None
+    cache.rollback(0)
+    model(feed, cache)  # binds again, switching the layers to panels
+    bound["vnni"] = fast.layers, fast.head
+    length = cache.length
+    times: dict[tuple[str, int], list[float]] = {(p, m): [] for p in bound for m in sizes}
+    for round_index in range(rounds + 1):
+        for m in sizes:
+            for path, (layers, head) in bound.items():
+                fast.layers, fast.head = layers, head
+                cache.rollback(length)
+                started = time.perf_counter()
+                model(feed[:, :m], cache)
+                if round_index:
+                    times[path, m].append(time.perf_counter() - started)
+    median = {key: sorted(v)[len(v) // 2] for key, v in times.items()}
+    step_bytes = loaded.weight_bytes()
+    print(f"{name} int4, {step_bytes / 1e6:.0f} MB of weights per step, {torch.get_num_threads()} threads, "
+          f"median of {rounds} forward passes over m positions")
+    print(f"{'m':>3} {'float ms':>9} {'vnni ms':>8} {'speed-up':>8} {'r float':>7} {'r vnni':>7} {'vnni GB/s':>9}")
+    for m in sizes:
+        f, v = median["float", m], median["vnni", m]
+        print(f"{m:>3} {f * 1e3:>9.1f} {v * 1e3:>8.1f} {f / v:>8.2f} {f / median['float', sizes[0]]:>7.2f} "
+              f"{v / median['vnni', sizes[0]]:>7.2f} {step_bytes / v / 1e9:>9.1f}")
     return 0
 
 

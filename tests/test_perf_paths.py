@@ -282,21 +282,27 @@ def test_other_gguf_types_are_not_repacked():
     assert int4_from_gguf(tensor) is None
 
 
-def test_weight_cache_round_trip(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_weight_cache_round_trip(tmp_path, monkeypatch, fmt):
     from verispec.loading import weight_cache
 
     monkeypatch.setattr(weight_cache, "MIN_FILE_BYTES", 0)
     monkeypatch.setenv("VERISPEC_CACHE_DIR", str(tmp_path / "cache"))
     ref = tiny.save_hf_model(tmp_path / "hf", "qwen2", seed=5)
     tiny.write_gguf(tmp_path / "model.gguf", ref, "qwen2")
-    first = load_model(tmp_path / "model.gguf", weights="int8")
+    first = load_model(tmp_path / "model.gguf", weights=fmt)
     assert list((tmp_path / "cache").glob("*.safetensors"))
-    second = load_model(tmp_path / "model.gguf", weights="int8")
+    second = load_model(tmp_path / "model.gguf", weights=fmt)
     assert second.info.get("gguf_metadata_keys", 0) == 0  # came from the cache, not the file
     a = generate(first, PROMPT, max_tokens=12, ignore_eos=True)
     b = generate(second, PROMPT, max_tokens=12, ignore_eos=True)
     assert a.token_ids == b.token_ids
     assert second.tokenizer.encode(PROMPT) == first.tokenizer.encode(PROMPT)
+    # a model whose int4 layers have switched to the VNNI kernel's layout stores the canonical one
+    entry = tmp_path / "again" / "model-int4-0.safetensors"
+    weight_cache.store(entry, first.model, first.config, first.tokenizer)
+    model, _, _ = weight_cache.load(entry)
+    assert all(torch.equal(t, model.state_dict()[n]) for n, t in first.model.state_dict().items())
 
 
 def test_gpu_benchmark_runs_on_the_cpu_at_toy_sizes(tmp_path):
