@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
 
 from perf_common import free, machine_load, median, read_bandwidth, save, verdict, warn_if_busy

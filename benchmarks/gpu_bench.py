@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
 
 HERE = Path(__file__).resolve().parent

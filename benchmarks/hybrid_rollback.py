@@ -24,6 +24,7 @@ import copy
 import statistics
 import time
 
+import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
 
 from verispec.config import ModelConfig

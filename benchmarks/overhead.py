@@ -14,6 +14,7 @@ import argparse
 import sys
 import time
 
+import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
 
 from perf_common import machine_load, median, save, verdict, warn_if_busy

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
 
 from perf_common import machine_load, save, verdict, warn_if_busy

@@ -21,6 +21,7 @@ import sys
 import time
 
 import numpy as np
+import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
 
 from perf_common import machine_load, save, verdict, warn_if_busy

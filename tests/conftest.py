@@ -3,6 +3,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import verispec  # noqa: F401  (before torch: it sets how torch's threads wait)
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -4,4 +4,19 @@
     from verispec.generate import generate, stream
 """
 
+import os
+import sys
+import warnings
+
 __version__ = "0.1.0"
+
+# After each of torch's own parallel operations (an argmax over the vocabulary, say), its
+# OpenMP threads spin for a while, holding the core that verispec's kernel threads need for
+# the very next pass: on two cores a draft step right after one ran 40% slower. Passive
+# waiting puts them to sleep at once. OpenMP reads this when torch is first imported.
+if "OMP_WAIT_POLICY" not in os.environ:
+    if "torch" in sys.modules:
+        warnings.warn("torch was imported before verispec, so its threads keep spinning between operations "
+                      "and decoding runs slower; import verispec first or set OMP_WAIT_POLICY=PASSIVE",
+                      stacklevel=2)
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
