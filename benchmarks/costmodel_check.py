@@ -6,7 +6,10 @@
    can draft; the engine counts that in decoding time, so the prediction must too).
 2. Decode Spec-Bench's coding prompts (first turn, chat template, greedy) with the target
    alone and speculatively for each γ, interleaved prompt by prompt so that a change in
-   machine load hits every configuration alike.
+   machine load hits every configuration alike. The calibration of step 1 runs in short
+   bursts before every prompt and after the last, and its figures are the means over the
+   bursts: on a shared host the memory bandwidth left to a job drifts by a third within
+   minutes, and a calibration taken at one moment would price decoding at another.
 3. From each γ's measured acceptance α = accepted / (accepted + rejections), predict the
    speed-up E[tokens per cycle] / (γ·c + r(γ+1)), less the draft's prompt reading spread
    over the decoded tokens, and compare it with the measured one (speculative tok/s over
@@ -14,9 +17,10 @@
    step after a fully kept round (draft r(2)); the textbook E / (γ·c + r(γ+1)) is shown
    beside it.
 
-The real numbers (a quiet machine, about an hour on 2 cores):
+The real numbers (about four minutes on 2 cores):
 
-    .venv/bin/python benchmarks/costmodel_check.py --limit 5 --max-tokens 128 --out results/costmodel_check.json
+    .venv/bin/python benchmarks/costmodel_check.py --weights int8 --draft-weights int4 --limit 5 \\
+        --max-tokens 128 --out benchmarks/results/costmodel_check.json
 
 A quick proof that it runs:
 
@@ -35,6 +39,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
 
 from verispec.generate import encode_prompt, generate
@@ -95,35 +100,57 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gammas", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--limit", type=int, default=5, help="coding prompts to run (Spec-Bench has 10)")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per calibrated size")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats per calibrated size and burst")
     parser.add_argument("--questions", type=Path, default=QUESTIONS)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None, help="write the raw results here as JSON")
     return parser.parse_args(argv)
 
 
-def calibrate_pair(target, draft, max_m: int, context: int, repeats: int,
-                   prompt_lengths: list[int]) -> tuple[MeasuredCosts, dict]:
-    timing = time_model(target, range(1, max_m + 1), context, repeats)
-    lengths = sorted(set(prompt_lengths))
-    draft_timing = time_model(draft, [1, 2], context, repeats, last_only=True, prefill_lengths=lengths)
-    costs = MeasuredCosts(dict(zip(timing.positions, timing.seconds)), draft_timing.t(1), draft_timing.t(2),
-                          dict(zip(draft_timing.prefill_lengths, draft_timing.prefill_seconds)))
-    return costs, {"target": asdict(timing), "draft": asdict(draft_timing), "c": costs.c}
+class Calibration:
+    """Bursts of calibration between the decoding runs, and the costs they average to."""
+
+    def __init__(self, target, draft, max_m: int, context: int, repeats: int, prompt_lengths: list[int]):
+        self.target, self.draft = target, draft
+        self.max_m, self.context, self.repeats = max_m, context, repeats
+        self.lengths = sorted(set(prompt_lengths))
+        self.bursts: list[dict] = []
+
+    def burst(self) -> None:
+        timing = time_model(self.target, range(1, self.max_m + 1), self.context, self.repeats)
+        draft = time_model(self.draft, [1, 2], self.context, self.repeats, last_only=True,
+                           prefill_lengths=self.lengths)
+        self.bursts.append({"target": asdict(timing), "draft": asdict(draft)})
+
+    def costs(self) -> MeasuredCosts:
+        def mean(role: str, key: str, index: int) -> float:
+            return statistics.fmean(b[role][key][index] for b in self.bursts)
+
+        target_s = {m: mean("target", "seconds", i) for i, m in enumerate(range(1, self.max_m + 1))}
+        prefill_s = {n: mean("draft", "prefill_seconds", i) for i, n in enumerate(self.lengths)}
+        return MeasuredCosts(target_s, mean("draft", "seconds", 0), mean("draft", "seconds", 1), prefill_s)
+
+    def record(self) -> dict:
+        costs = self.costs()
+        return {"bursts": self.bursts, "target_s": costs.target_s, "draft_step_s": costs.draft_step_s,
+                "draft_two_s": costs.draft_two_s, "draft_prefill_s": costs.draft_prefill_s, "c": costs.c}
 
 
-def run_all(target, draft, prompts: list[str], gammas: list[int], max_tokens: int) -> dict[int, Totals]:
+def run_all(target, draft, prompts: list[str], gammas: list[int], max_tokens: int,
+            calibration: Calibration) -> dict[int, Totals]:
     totals = {g: Totals(g) for g in [0, *gammas]}
     options = dict(max_tokens=max_tokens, temperature=0.0, chat=True)
     for gamma in totals:  # warm-up: first calls allocate buffers and pick kernels
         generate(target, prompts[0], draft=draft if gamma else None, gamma=gamma, **{**options, "max_tokens": 4})
     for index, prompt in enumerate(prompts):
+        calibration.burst()
         reference = generate(target, prompt, **options)
         totals[0].add(reference, None)
         for gamma in gammas:
             result = generate(target, prompt, draft=draft, gamma=gamma, **options)
             totals[gamma].add(result, reference.token_ids)
         print(f"  prompt {index + 1}/{len(prompts)}: {len(reference.token_ids)} tokens", flush=True)
+    calibration.burst()
     return totals
 
 
@@ -190,14 +217,15 @@ def main(argv: list[str] | None = None) -> int:
     prompts = coding_prompts(args.questions, args.limit)
     prompt_lengths = [len(encode_prompt(target.tokenizer, p, chat=True)) for p in prompts]
     context = int(statistics.median(prompt_lengths) + args.max_tokens / 2)  # the average context while decoding
-    print(f"calibrating r(m) for m = 1..{max(args.gammas) + 1} and c at a context of {context} tokens", flush=True)
-    costs, calibration = calibrate_pair(target, draft, max(args.gammas) + 1, context, args.repeats, prompt_lengths)
+    calibration = Calibration(target, draft, max(args.gammas) + 1, context, args.repeats, prompt_lengths)
+    print(f"decoding {len(prompts)} coding prompt(s), {args.max_tokens} tokens, γ = 0 (target alone), "
+          f"{', '.join(map(str, args.gammas))}; calibrating r(m) for m = 1..{max(args.gammas) + 1}, c and the "
+          f"draft's prompt reading (context {context}) before each prompt and after the last", flush=True)
+    totals = run_all(target, draft, prompts, args.gammas, args.max_tokens, calibration)
+    costs = calibration.costs()
     print(f"  c = {costs.c:.3f}, draft r(2) = {costs.draft_r2:.2f}; "
           + ", ".join(f"r({g + 1}) = {costs.r(g + 1):.2f}" for g in args.gammas)
           + f"; the draft reads the prompts in {sum(map(costs.draft_prefill, prompt_lengths)):.2f} s", flush=True)
-    print(f"decoding {len(prompts)} coding prompt(s), {args.max_tokens} tokens, γ = 0 (target alone), "
-          f"{', '.join(map(str, args.gammas))}", flush=True)
-    totals = run_all(target, draft, prompts, args.gammas, args.max_tokens)
     rows = compare(totals, costs, prompt_lengths)
     print_table(rows, totals[0].tokens_per_s)
     if args.out:
@@ -205,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps({
             "command": " ".join(sys.argv), "machine": machine_facts(), "load_average_before": load_before, "target": target.name, "draft": draft.name,
             "weights": [target.weights, draft.weights], "prompts": len(prompts), "max_tokens": args.max_tokens,
-            "calibration": calibration, "totals": {g: asdict(t) for g, t in totals.items()}, "rows": rows,
+            "calibration": calibration.record(), "totals": {g: asdict(t) for g, t in totals.items()}, "rows": rows,
             "wall_s": time.perf_counter() - started}, indent=2) + "\n")
         print(f"wrote {args.out}")
     return 0
