@@ -74,6 +74,7 @@ def main() -> int:
     parser.add_argument("--gammas", type=int, nargs="+", default=None)
     parser.add_argument("--prompts", type=int, default=None, help="prompts per category")
     parser.add_argument("--tokens", type=int, default=None)
+    parser.add_argument("--adaptive-prompts", type=int, default=3, help="prompts per category for the --adaptive check")
     parser.add_argument("--skip-adaptive", action="store_true")
     parser.add_argument("--skip-sweep", action="store_true", help="only the --adaptive check (target 5)")
     parser.add_argument("--quick", action="store_true")
@@ -112,7 +113,7 @@ def main() -> int:
         categories = ["coding", "translation", "qa"] if args.quick else None
         source = "spec-bench:" + ",".join(categories) if categories else "spec-bench"
         prompts = load_prompts(source, limit=1 if args.quick else 2) if categories else [
-            p for c in _categories() for p in load_prompts(f"spec-bench:{c}", limit=2)]
+            p for c in _categories() for p in load_prompts(f"spec-bench:{c}", limit=args.adaptive_prompts)]
         ratios = adaptive_ratios(target, draft, prompts, tokens, gamma=max(gammas))
         record["adaptive"] = ratios
         worst = min(ratios.items(), key=lambda item: item[1]["ratio"])
