@@ -8,7 +8,8 @@ Both engines get the same prompt token ids (the chat template rendered once, by 
 and decode greedily. llama.cpp's plain decoding is one `eval` per token; its speculative
 decoding is the same draft-then-verify loop as verispec's, written on llama-cpp-python's
 `eval` (the 0.5B drafts γ tokens, the 1.5B scores them in one batch, both roll back by
-resetting their token count, which drops the rejected cache cells on the next eval).
+resetting their token count, which drops the rejected cache cells on the next eval). llama.cpp
+runs in a process of its own (llama_cpp_worker.py), with OpenMP's default wait policy.
 verispec runs its int4 format built from the GGUF's own 4-bit blocks. Rates are decoding
 tokens/s after the first token, so prefill is excluded on both sides; each output is
 compared with the same engine's plain output.
@@ -17,71 +18,42 @@ compared with the same engine's plain output.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
-import time
+from pathlib import Path
 
-import numpy as np
-import verispec  # noqa: F401  (first: it sets how torch's threads wait)
+import verispec  # noqa: F401  (before torch: it sets how torch's threads wait)
 import torch
 
 from perf_common import machine_load, save, verdict, warn_if_busy
 
 
 class LlamaCppEngine:
+    """llama.cpp in a worker process of its own (benchmarks/llama_cpp_worker.py), with
+    OpenMP's default wait policy rather than the passive one verispec sets for torch."""
+
     def __init__(self, target_path: str, draft_path: str, threads: int, context: int):
-        from llama_cpp import Llama
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        self.worker = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("llama_cpp_worker.py")), target_path, draft_path,
+             str(threads), str(context)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        if not json.loads(self.worker.stdout.readline() or "{}").get("ready"):
+            raise RuntimeError("the llama.cpp worker did not start")
 
-        options = dict(n_threads=threads, n_threads_batch=threads, n_ctx=context, logits_all=True,
-                       verbose=False, n_batch=512)
-        self.target = Llama(model_path=target_path, **options)
-        self.draft = Llama(model_path=draft_path, **options)
-        self.eos = self.target.token_eos()
-
-    @staticmethod
-    def _feed(model, tokens: list[int]) -> np.ndarray:
-        """Evaluate tokens after the model's current ones; their logit rows."""
-        start = model.n_tokens
-        model.eval(tokens)
-        return model.scores[start:start + len(tokens)]
+    def _ask(self, **request) -> dict:
+        self.worker.stdin.write(json.dumps(request) + "\n")
+        self.worker.stdin.flush()
+        return json.loads(self.worker.stdout.readline())
 
     def plain(self, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
-        self.target.reset()
-        out = [int(self._feed(self.target, prompt)[-1].argmax())]
-        started = time.perf_counter()
-        while len(out) < max_tokens and out[-1] != self.eos:
-            out.append(int(self._feed(self.target, [out[-1]])[-1].argmax()))
-        return out, time.perf_counter() - started
+        answer = self._ask(op="plain", ids=prompt, tokens=max_tokens)
+        return answer["out"], answer["seconds"]
 
     def speculative(self, prompt: list[int], max_tokens: int, gamma: int) -> tuple[list[int], float, float]:
-        target, draft = self.target, self.draft
-        target.reset()
-        draft.reset()
-        out = [int(self._feed(target, prompt)[-1].argmax())]
-        started = time.perf_counter()
-        self._feed(draft, prompt)
-        drafted = accepted = 0
-        while len(out) < max_tokens and out[-1] != self.eos:
-            context = prompt + out
-            g = min(gamma, max_tokens - len(out) - 1)
-            proposals: list[int] = []
-            feed = context[draft.n_tokens:]
-            for _ in range(g):
-                proposals.append(int(self._feed(draft, feed)[-1].argmax()))
-                feed = [proposals[-1]]
-            base = target.n_tokens
-            rows = self._feed(target, [context[-1], *proposals]).argmax(-1)
-            kept = 0
-            while kept < g and int(rows[kept]) == proposals[kept]:
-                kept += 1
-            new = proposals[:kept] + [int(rows[kept])]
-            drafted, accepted = drafted + g, accepted + kept
-            target.n_tokens = base + 1 + kept  # rejected cells are dropped by the next eval
-            draft.n_tokens = min(draft.n_tokens, len(context) + kept)
-            for token in new:
-                out.append(token)
-                if token == self.eos or len(out) >= max_tokens:
-                    break
-        return out, time.perf_counter() - started, accepted / drafted if drafted else 0.0
+        answer = self._ask(op="speculative", ids=prompt, tokens=max_tokens, gamma=gamma)
+        return answer["out"], answer["seconds"], answer["acceptance"]
 
 
 def rate(tokens: list[int], seconds: float) -> float:
