@@ -122,8 +122,8 @@ def test_shapes_from_an_hf_folder_and_a_gguf_file_match_the_weights(tmp_path):
 
 
 def test_presets_have_the_sizes_their_names_say():
-    sizes = {  # name: (total, active) in billions, as published
-        "seed-35b-a3b": (35, 3), "seed-0.8b": (0.8, 0.8), "seed-4b": (4, 4), "seed-9b": (9, 9),
+    sizes = {  # name: (total, active) in billions, as published (the 128-expert variant: see its preset)
+        "seed-35b-a3b": (35, 3), "seed-35b-a3b-128e": (35, 3.9), "seed-0.8b": (0.8, 0.8), "seed-4b": (4, 4), "seed-9b": (9, 9),
         "qwen3-30b-a3b": (30.5, 3.3), "qwen2.5-coder-1.5b": (1.5, 1.5), "llama3.1-8b": (8, 8),
     }
     for name, (total, active) in sizes.items():
@@ -189,8 +189,9 @@ def _flat(text: str) -> str:
     return " ".join(text.split())
 
 
-def test_explain_the_seed_setting_at_almost_no_acceptance(capsys):
-    code = main(["explain", "--target", "seed-35b-a3b", "--draft", "seed-0.8b", "--hardware", "m2-ultra",
+@pytest.mark.parametrize("target", ["seed-35b-a3b", "seed-35b-a3b-128e"])
+def test_explain_the_seed_setting_at_almost_no_acceptance(capsys, target):
+    code = main(["explain", "--target", target, "--draft", "seed-0.8b", "--hardware", "m2-ultra",
                  "--alpha", "0.002"])
     out = _flat(capsys.readouterr().out)
     assert code == 0
@@ -199,7 +200,7 @@ def test_explain_the_seed_setting_at_almost_no_acceptance(capsys):
     reason = out[out.index("At α = 0.002"):]
     assert reason.count(". ") == 0 and reason.endswith(".")
     assert "yields 1.00 token(s)" in reason and "target steps" in reason
-    costs = cm.RooflineCosts(cm.model_preset("seed-35b-a3b"), cm.model_preset("seed-0.8b"),
+    costs = cm.RooflineCosts(cm.model_preset(target), cm.model_preset("seed-0.8b"),
                              cm.hardware_preset("m2-ultra"))
     assert all(cm.predict(costs, 0.002, g).speedup < 1 for g in (1, 2, 4, 8, 16))
 

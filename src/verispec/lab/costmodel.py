@@ -316,6 +316,14 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         num_attention_heads=16, num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=32,
         num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
         tie_word_embeddings=False), "q8_0", "Qwen/Qwen3.5-35B-A3B config.json"),
+    # The same model as first described for this project: 128 routed experts, top-8. No such
+    # shape keeps both 35B in all and 3B active; experts of width 1024 keep the 35B (3.9B
+    # active). A verify pass over 9 positions touches ~56 of 128 experts per layer here.
+    "seed-35b-a3b-128e": ModelPreset(dict(
+        _QWEN35_HYBRID, model_type="qwen3_5_moe", hidden_size=2048, num_hidden_layers=40,
+        num_attention_heads=16, num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=32,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1024, shared_expert_intermediate_size=512,
+        tie_word_embeddings=False), "q8_0", "Qwen3.5-35B-A3B reshaped to 128 experts of width 1024 (as first described)"),
     # Qwen3.5-0.8B: Qwen/Qwen3.5-0.8B config.json (24 layers, hidden 1024, tied embeddings).
     "seed-0.8b": ModelPreset(dict(
         _QWEN35_HYBRID, model_type="qwen3_5", hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
