@@ -243,3 +243,24 @@ def test_cost_aware_policy_falls_back_and_probes_ever_more_rarely():
     assert 3 <= len(probes) <= 8  # intervals 64, 128, 256, 512, 512, ...: well under 1% of rounds
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps == sorted(gaps)  # backing off
+
+
+def test_adaptive_draft_stops_reading_when_speculation_does_not_pay(target, unrelated):
+    """With drafts that are always wrong, --adaptive decodes plainly and the draft reads only
+    the recent context before its rare probes, not every token."""
+    from verispec.spec.draft_model import DraftModelProposer
+
+    proposer = DraftModelProposer(unrelated, vocab_limit=target.config.vocab_size)
+    read = []
+    forward = unrelated.model.forward
+    unrelated.model.forward = lambda ids, *a, **k: (read.append(ids.shape[1]), forward(ids, *a, **k))[1]
+    try:
+        result = generate(target, PROMPT, draft=proposer, gamma=4, adaptive="cost", max_tokens=200,
+                          ignore_eos=True)
+    finally:
+        unrelated.model.forward = forward
+    assert result.token_ids == generate(target, PROMPT, max_tokens=200, ignore_eos=True).token_ids
+    plain = result.spec.gammas.count(0)
+    assert plain >= 0.9 * len(result.spec.gammas)
+    context = result.prompt_tokens + len(result.token_ids)
+    assert sum(read) < 0.6 * context  # a draft kept ready would read all of it

@@ -96,7 +96,11 @@ class CostAwareGamma:
             # measure both costs first: one plain step, then a short speculative round
             return 0 if 1 not in self.verify_s else self.probe_gamma
         alpha = self.alpha
-        best_gamma, best_rate = 0, (1.0 + self.margin) / self.verify_s[1]
+        # A pass over more positions costs at least a one-position pass, so the cheapest pass
+        # seen bounds t(1): plain steps are timed only while decoding plainly, and a slow
+        # first one would otherwise make speculation look better than it is for good.
+        plain_step = min(self.verify_s.values())
+        best_gamma, best_rate = 0, (1.0 + self.margin) / plain_step
         for gamma in range(1, self.max_gamma + 1):
             cost = gamma * self.draft_step_s + self.verify_time(gamma + 1)
             rate = expected_tokens(alpha, gamma) / cost
