@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from verispec.commands.options import probability
+from verispec.commands.options import add_slack_option
 
 
 def register(sub) -> None:
@@ -12,8 +12,7 @@ def register(sub) -> None:
                                         "pass; for a mixture of experts at least the active weights) and "
                                         "bandwidth_gb_s. Exits 1 when any row fails.")
     parser.add_argument("file", help="CSV or JSONL of reported results")
-    parser.add_argument("--slack", type=probability, default=0.10,
-                        help="timing noise allowed above a physical bound before a row is IMPOSSIBLE")
+    add_slack_option(parser)
     parser.set_defaults(func=run)
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from verispec.commands.options import (WEIGHT_FORMATS, non_negative_float, non_negative_int, positive_int,
-                                       probability)
+from verispec.commands.options import (WEIGHT_FORMATS, add_slack_option, non_negative_float, non_negative_int,
+                                       positive_int)
 
 
 def register(sub) -> None:
@@ -39,8 +39,7 @@ def register(sub) -> None:
     parser.add_argument("--no-warmup", action="store_true")
     parser.add_argument("--bandwidth-gb-s", type=non_negative_float, default=None,
                         help="the machine's peak memory bandwidth, for the bandwidth rule of the audit")
-    parser.add_argument("--slack", type=probability, default=0.10,
-                        help="timing noise allowed above a physical bound before a run is IMPOSSIBLE")
+    add_slack_option(parser)
     parser.add_argument("--ngram", type=positive_int, nargs=2, metavar=("MAX", "MIN"), default=(3, 1))
     parser.add_argument("--out", "-o", default=None, help="JSONL file for the raw runs "
                                                           "(default: results/bench-<time>.jsonl)")

@@ -45,6 +45,14 @@ def probability(text: str) -> float:
 WEIGHT_FORMATS = ["float32", "bfloat16", "float16", "int8", "int4"]
 
 
+def add_slack_option(parser: argparse.ArgumentParser) -> None:
+    """--slack for the commands that audit: how far timing noise may exceed a physical bound."""
+    from verispec.lab.audit import DEFAULT_SLACK
+
+    parser.add_argument("--slack", type=probability, default=DEFAULT_SLACK,
+                        help="timing noise allowed above a physical bound before a result is IMPOSSIBLE")
+
+
 def add_model_options(parser: argparse.ArgumentParser, draft: bool = True) -> None:
     parser.add_argument("--model", "-m", required=True,
                         help="target model: a demo name (see `verispec models`), a GGUF file or a HF folder")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from verispec.commands.options import probability
+from verispec.commands.options import add_slack_option
 
 
 def register(sub) -> None:
@@ -13,8 +13,7 @@ def register(sub) -> None:
     parser.add_argument("--profile", default=None,
                         help="a calibration profile (`verispec calibrate`): show the cost model's predicted "
                              "speed-up beside the measured one")
-    parser.add_argument("--slack", type=probability, default=0.10,
-                        help="timing noise allowed above a physical bound before a run is IMPOSSIBLE")
+    add_slack_option(parser)
     parser.set_defaults(func=run)
 
 

@@ -185,7 +185,6 @@ inline vfloat load_f16(const uint16_t* p) {
 inline vfloat load_i8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-// kLanes bytes of packed nibbles: low nibbles -> lo, high nibbles -> hi
 // kLanes bytes of packed nibbles -> s*q + z for the low nibbles (lo) and the high ones (hi).
 // The 16 possible values are made once (fma(q, s, z), as the other paths compute them) and
 // looked up with a permute, which reads only the low 4 bits of each index lane.
