@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 # After each of torch's own parallel operations (an argmax over the vocabulary, say), its
 # OpenMP threads spin for a while, holding the core that verispec's kernel threads need for
-# the very next pass: on two cores a draft step right after one ran 40% slower. Passive
+# the very next pass: on two cores a draft step right after one ran a third slower. Passive
 # waiting puts them to sleep at once. OpenMP reads this when torch is first imported.
 if "OMP_WAIT_POLICY" not in os.environ:
     if "torch" in sys.modules:
