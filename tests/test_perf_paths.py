@@ -17,8 +17,8 @@ import tiny
 from verispec import kernels
 from verispec.generate import generate
 from verispec.loading import load_model
-from verispec.quant import (FORMATS, Int4Linear, fuse, int4_from_gguf, int4_from_panels, int4_to_float,
-                            round_activations, weight_bytes)
+from verispec.quant import (FORMATS, FloatLinear, Int4Linear, Int8Linear, from_panels, fuse, int4_from_gguf,
+                            int4_from_panels, int4_to_float, round_activations, to_panels, weight_bytes)
 
 PROMPT = "the cat sat on the mat. the cat"
 REPO = Path(__file__).resolve().parents[1]
@@ -26,6 +26,10 @@ REPO = Path(__file__).resolve().parents[1]
 needs_kernels = pytest.mark.skipif(kernels.cpu_kernels() is None, reason="the CPU kernels could not be built")
 needs_vnni = pytest.mark.skipif(not hasattr(kernels.cpu_kernels(), "linear_int4_panels"),
                                 reason="the int4 kernel with int8 activations needs AVX-512 VNNI")
+needs_float_panels = pytest.mark.skipif(not hasattr(kernels.cpu_kernels(), "linear_float_panels"),
+                                        reason="the panel kernels need AVX-512")
+needs_int8_panels = pytest.mark.skipif(not hasattr(kernels.cpu_kernels(), "linear_int8_panels"),
+                                       reason="the int8 kernel with 16-bit activations needs AVX-512 VNNI")
 
 
 @contextlib.contextmanager
@@ -222,6 +226,98 @@ def test_int4_layers_switch_to_the_vnni_layout_once_and_keep_the_canonical_one_o
     layer.load_state_dict(state)  # loading the canonical layout works in either layout
     assert layer.panels is None and torch.equal(layer.nibbles, nibbles)
     assert torch.equal(layer(x[:3]), y)
+
+
+def _rows(cols: int, seed: int, count: int = 21) -> torch.Tensor:
+    """Activations with a few large outliers, as LLMs have; 21 rows make three 10-row tiles."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(count, cols, generator=gen)
+    return x * torch.where(torch.rand(count, cols, generator=gen) < 0.03, 20.0, 1.0)
+
+
+def _assert_rows_match_single_rows(product, x: torch.Tensor, residual: torch.Tensor) -> None:
+    singles = torch.cat([product(x[i:i + 1], residual[i:i + 1]) for i in range(x.shape[0])])
+    for m in [*range(1, 13), x.shape[0]]:
+        assert torch.equal(product(x[:m], residual[:m].contiguous()), singles[:m]), m
+
+
+@needs_float_panels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_float_panel_kernel_is_the_same_product_and_batch_invariant(dtype):
+    k = kernels.cpu_kernels()
+    gen = torch.Generator().manual_seed(4)
+    weight, bias = torch.randn(48, 96, generator=gen).to(dtype), torch.randn(48, generator=gen)
+    x, residual = _rows(96, seed=5), torch.randn(21, 48, generator=gen)
+    panels = to_panels(weight)
+    assert panels.shape == (3, 96 * weight.element_size() // 4, 16, 4 // weight.element_size())
+    assert torch.equal(from_panels(panels), weight)
+    y = k.linear_float_panels(x, panels, bias, residual).double()
+    w = weight.double()
+    exact = x.double() @ w.T + bias.double() + residual.double()
+    magnitude = x.double().abs() @ w.abs().T + bias.double().abs() + residual.double().abs()
+    assert bool(((y - exact).abs() <= 1e-5 * magnitude).all())
+    _assert_rows_match_single_rows(lambda rows, res: k.linear_float_panels(rows, panels, bias, res), x, residual)
+
+
+@needs_int8_panels
+def test_int8_panel_kernel_is_the_product_with_16_bit_activations():
+    k = kernels.cpu_kernels()
+    gen = torch.Generator().manual_seed(6)
+    layer = Int8Linear.from_float(torch.randn(64, 256, generator=gen), torch.randn(64, generator=gen))
+    x, residual = _rows(256, seed=7), torch.randn(21, 64, generator=gen)
+    panels = to_panels(layer.weight)
+    assert torch.equal(from_panels(panels), layer.weight)
+    y = k.linear_int8_panels(x, panels, layer.scale, layer.bias, residual).double()
+    # the activations as the kernel rounds them: within half a step of dx = max|x| / 32767
+    # (and float32's rounding of q * dx, which at this step size is visible)
+    rounded = round_activations(x, levels=32767)
+    groups = x.reshape(21, -1, 32)
+    step = groups.abs().amax(-1, keepdim=True) / 32767
+    assert bool(((rounded.reshape(21, -1, 32) - groups).abs() <= step / 2 + 2.5e-7 * groups.abs()).all())
+    # exactly the int8 weights times those activations, up to float32 rounding
+    w, b, r = layer.dense_weight().double(), layer.bias.double(), residual.double()
+    exact_rounded = rounded.double() @ w.T + b + r
+    magnitude = rounded.double().abs() @ w.abs().T + b.abs() + r.abs()
+    assert bool(((y - exact_rounded).abs() <= 1e-5 * magnitude).all())
+    # so it differs from the weight-only product by no more than the rounding can move it
+    exact = x.double() @ w.T + b + r
+    bound = (x - rounded).double().abs() @ w.abs().T
+    assert bool(((y - exact).abs() <= bound + 1e-5 * magnitude).all())
+    _assert_rows_match_single_rows(
+        lambda rows, res: k.linear_int8_panels(rows, panels, layer.scale, layer.bias, res), x, residual)
+
+
+def _layer(fmt: str, rows: int, cols: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    weight, bias = torch.randn(rows, cols, generator=gen), torch.randn(rows, generator=gen)
+    if fmt == "int8":
+        return Int8Linear.from_float(weight, bias)
+    return FloatLinear(weight.to(getattr(torch, fmt)), bias)
+
+
+@needs_float_panels
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+def test_layers_switch_to_panels_once_and_keep_the_canonical_layout_outside(fmt):
+    if fmt == "int8" and not hasattr(kernels.cpu_kernels(), "linear_int8_panels"):
+        pytest.skip("the int8 panel kernel needs AVX-512 VNNI")
+    layer, odd = _layer(fmt, 48, 64, seed=8), _layer(fmt, 40, 64, seed=9)  # 40 columns: no panels
+    weight, dense, size = layer.weight.clone(), layer.dense_weight(), weight_bytes(layer)
+    state = {name: t.clone() for name, t in layer.state_dict().items()}
+    x = _rows(64, seed=10, count=3)
+    y = layer(x)
+    odd(x)
+    assert layer.panels is not None and layer.weight is None and odd.panels is None
+    assert weight_bytes(layer) == size
+    assert torch.equal(layer.dense_weight(), dense)
+    saved = layer.state_dict()
+    assert sorted(saved) == sorted(state) and all(torch.equal(saved[n], state[n]) for n in state)
+    assert torch.equal(fuse([layer, odd]).dense_weight(), torch.cat([dense, odd.dense_weight()]))
+    with _plain_path():  # the PyTorch path works from the panels too
+        reference = layer(round_activations(x, 32767) if fmt == "int8" else x)
+    assert torch.allclose(reference.float(), y, rtol=1e-2 if fmt == "bfloat16" else 1e-4, atol=1e-3)
+    layer.load_state_dict(state)  # loading the canonical layout works in either layout
+    assert layer.panels is None and torch.equal(layer.weight, weight)
+    assert torch.equal(layer(x), y)
 
 
 def test_quantised_weights_are_smaller_and_close(folder):
