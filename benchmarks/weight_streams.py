@@ -1,0 +1,128 @@
+"""How fast the weight kernels read memory, per layout and page size, against plain sums.
+
+    python benchmarks/weight_streams.py                  # float32, bfloat16, int8; m = 1 and 5
+    python benchmarks/weight_streams.py --formats int8 --rows 1 --rounds 15
+
+For each format, six copies of one Qwen2.5-1.5B layer's four products (qkv 2048x1536,
+o 1536x1536, gate_up 17920x1536, down 1536x8960; far more than the 32 MB cache) are
+multiplied by m rows, in three ways:
+
+  row-major     the canonical weights with the row-major kernels (`linear_float`, `linear_int8`)
+  panels        the panel layout (`linear_float_panels`, `linear_int8_panels`) on 2 MB pages
+  panels-4k     the same panels copied into memory that is kept on 4 KB pages
+
+and two plain sums read a buffer of the same size (`stream_sum`, without and with fetching
+ahead). Everything is interleaved round by round in one process, so a change in machine
+load hits all alike; medians are given as GB/s of weights read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import mmap
+import sys
+import time
+
+import verispec  # noqa: F401  (first: it sets how torch's threads wait and asks for huge pages)
+import torch
+
+from perf_common import machine_load, median, save, warn_if_busy
+
+SHAPES = ((2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960))
+MADV_NOHUGEPAGE = 15
+
+
+def small_pages_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` copied into anonymous memory that the kernel is told not to back with huge pages."""
+    nbytes = tensor.numel() * tensor.element_size()
+    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(area))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.madvise(address, nbytes, MADV_NOHUGEPAGE) != 0:
+        raise OSError(ctypes.get_errno(), "madvise(MADV_NOHUGEPAGE) failed")
+    copy = torch.frombuffer(area, dtype=torch.uint8, count=nbytes).view(tensor.dtype).view(tensor.shape)
+    copy.copy_(tensor)
+    copy.area = area  # keeps the mapping alive as long as the tensor
+    return copy
+
+
+def build(fmt: str, copies: int, kernels) -> tuple[dict, int]:
+    """The three ways to run each product: name -> list of (function of x, input size)."""
+    from verispec.quant import Int8Linear, to_panels
+
+    generator = torch.Generator().manual_seed(0)
+    ways: dict[str, list] = {"row-major": [], "panels": [], "panels-4k": []}
+    nbytes = 0
+    for _ in range(copies):
+        for n, k in SHAPES:
+            weight = torch.randn(n, k, generator=generator)
+            if fmt == "int8":
+                layer = Int8Linear.from_float(weight)
+                w, scale = layer.weight, layer.scale
+                panels = to_panels(w)
+                small = small_pages_copy(panels)
+                ways["row-major"].append((lambda x, w=w, s=scale: kernels.linear_int8(x, w, s, None, None), k))
+                ways["panels"].append((lambda x, p=panels, s=scale: kernels.linear_int8_panels(x, p, s, None, None), k))
+                ways["panels-4k"].append((lambda x, p=small, s=scale: kernels.linear_int8_panels(x, p, s, None, None), k))
+            else:
+                w = weight.to(getattr(torch, fmt))
+                panels = to_panels(w)
+                small = small_pages_copy(panels)
+                ways["row-major"].append((lambda x, w=w: kernels.linear_float(x, w, None, None), k))
+                ways["panels"].append((lambda x, p=panels: kernels.linear_float_panels(x, p, None, None), k))
+                ways["panels-4k"].append((lambda x, p=small: kernels.linear_float_panels(x, p, None, None), k))
+            nbytes += w.numel() * w.element_size()
+    return ways, nbytes
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--formats", nargs="+", default=["float32", "bfloat16", "int8"])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 5])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--copies", type=int, default=6)
+    args = parser.parse_args()
+
+    from verispec.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None or not hasattr(kernels, "linear_int8_panels"):
+        print("the panel kernels are not built on this machine (they need AVX-512 VNNI)")
+        return 1
+    print(f"weight streams: {torch.get_num_threads()} threads, {machine_load()}")
+    warn_if_busy()
+    results = {}
+    for fmt in args.formats:
+        ways, nbytes = build(fmt, args.copies, kernels)
+        buffer = torch.ones(nbytes // 4)
+        sums = {"sum": lambda: kernels.stream_sum(buffer), "sum-prefetch": lambda: kernels.stream_sum(buffer, True)}
+        for m in args.rows:
+            inputs = {k: torch.randn(m, k) for k in {k for _, k in SHAPES}}
+            times: dict[str, list[float]] = {name: [] for name in [*ways, *sums]}
+            for round_index in range(args.rounds + 1):
+                for name, products in ways.items():
+                    started = time.perf_counter()
+                    for product, k in products:
+                        product(inputs[k])
+                    if round_index:  # the first round warms up
+                        times[name].append(time.perf_counter() - started)
+                for name, read in sums.items():
+                    started = time.perf_counter()
+                    read()
+                    if round_index:
+                        times[name].append(time.perf_counter() - started)
+            rate = {name: nbytes / median(t) / 1e9 for name, t in times.items()}
+            results[f"{fmt} m={m}"] = rate
+            print(f"  {fmt:>8} m={m}: " + ", ".join(f"{name} {r:.1f}" for name, r in rate.items()) + " GB/s; "
+                  f"panels / row-major {rate['panels'] / rate['row-major']:.2f}, "
+                  f"2 MB / 4 KB pages {rate['panels'] / rate['panels-4k']:.2f}, "
+                  f"panels / best sum {rate['panels'] / max(rate['sum'], rate['sum-prefetch']):.2f}")
+        del ways, buffer
+    save("weight_streams", {"rounds": args.rounds, "copies": args.copies, "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
