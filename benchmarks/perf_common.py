@@ -27,14 +27,23 @@ def warn_if_busy() -> None:
         print(f"  note: {machine_load()}: other jobs share the cores, timings will be noisy")
 
 
-def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+_BUFFERS: dict[int, torch.Tensor] = {}
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5, keep: bool = False) -> float:
     """The machine's read bandwidth in bytes/s: the best of torch.sum and the kernels'
-    own streaming sum over a buffer far larger than the caches."""
+    own streaming sum (plain, and fetching ahead as the weight kernels do) over a buffer
+    far larger than the caches. `keep` holds on to the buffer for the next call."""
     from verispec.kernels import cpu_kernels
 
-    buffer = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    size = int(gib * (1 << 30)) // 4
+    buffer = _BUFFERS.pop(size, None)
+    if buffer is None:
+        buffer = torch.ones(size, dtype=torch.float32)
     kernels = cpu_kernels()
-    readers = [buffer.sum] + ([lambda: kernels.stream_sum(buffer)] if kernels else [])
+    readers = [buffer.sum]
+    if kernels:
+        readers += [lambda: kernels.stream_sum(buffer), lambda: kernels.stream_sum(buffer, True)]
     best = 0.0
     for read in readers:
         read()
@@ -42,8 +51,11 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
             started = time.perf_counter()
             read()
             best = max(best, buffer.numel() * 4 / (time.perf_counter() - started))
-    del buffer
-    gc.collect()
+    if keep:
+        _BUFFERS[size] = buffer
+    else:
+        del buffer
+        gc.collect()
     return best
 
 
