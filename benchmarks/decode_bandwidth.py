@@ -10,8 +10,9 @@ bandwidth is the best of torch.sum and the kernels' streaming sums over 0.5 GiB.
 machine's bandwidth drifts by a third within minutes as other jobs come and go, so each
 format decodes in several short runs, each run between two bandwidth measurements: its
 utilisation is its bytes/s over the higher of the two, and the figure is the median over
-runs. The best bandwidth seen in the whole run, and each format's share of it, are printed
-too. r(m) comes from forward passes over m positions on the same cache, the sizes
+the runs whose two measurements agree within 10% (a run during which the bandwidth jumped
+says nothing about either level; all runs count if none is steady). The best bandwidth
+seen in the whole run, and each format's share of it, are printed too. r(m) comes from forward passes over m positions on the same cache, the sizes
 interleaved round by round so that a change in machine load hits them all alike.
 """
 
@@ -90,14 +91,17 @@ def main() -> int:
         records = decode_runs(loaded, prompt_ids, tokens, runs, gib)
         costs = verify_costs(loaded.model, prompt_ids, rounds=3 if args.quick else 7)
         nbytes, rate = loaded.weight_bytes(), median([r["tok_s"] for r in records])
-        utilisation = median([r["utilisation"] for r in records])
+        steady = [r for r in records if min(r["bandwidth_before"], r["bandwidth_after"])
+                  >= 0.9 * max(r["bandwidth_before"], r["bandwidth_after"])] or records
+        utilisation = median([r["utilisation"] for r in steady])
         seen = [b for r in records for b in (r["bandwidth_before"], r["bandwidth_after"])]
         rows.append({"format": fmt, "weight_bytes": nbytes, "tok_s": rate, "t1_s": costs[1],
                      "r": {m: costs[m] / costs[1] for m in costs}, "bytes_per_s": nbytes * rate,
-                     "utilisation": utilisation, "runs": records})
+                     "utilisation": utilisation, "steady_runs": len(steady), "runs": records})
         print(f"  {fmt:>8}: {nbytes / 1e6:7.0f} MB/token, {rate:6.2f} tok/s, step {costs[1] * 1e3:6.1f} ms, "
               + " ".join(f"r({m})={costs[m] / costs[1]:.2f}" for m in costs if m > 1)
-              + f"; read bandwidth around its runs {min(seen) / 1e9:.1f}-{max(seen) / 1e9:.1f} GB/s")
+              + f"; read bandwidth around its runs {min(seen) / 1e9:.1f}-{max(seen) / 1e9:.1f} GB/s, "
+              f"{len(steady)} of {len(records)} runs steady")
         free(loaded)
     best = max(b for row in rows for r in row["runs"] for b in (r["bandwidth_before"], r["bandwidth_after"]))
     print(f"  read bandwidth: best seen in this run {best / 1e9:.1f} GB/s; {machine_load()}")
@@ -106,8 +110,8 @@ def main() -> int:
         met = row["utilisation"] >= 0.85
         all_met &= met
         print(verdict(f"1 bandwidth, {row['format']}",
-                      f"{row['bytes_per_s'] / 1e9:.1f} GB/s; median over runs {row['utilisation']:.0%} of the "
-                      f"read bandwidth measured around each (>= 85%); {row['bytes_per_s'] / best:.0%} of the best "
+                      f"{row['bytes_per_s'] / 1e9:.1f} GB/s; median over steady runs {row['utilisation']:.0%} of "
+                      f"the read bandwidth measured around each (>= 85%); {row['bytes_per_s'] / best:.0%} of the best "
                       f"seen in the run", met))
     bandwidth = best
     fastest = min(rows, key=lambda r: r["t1_s"])  # the shortest step (measured interleaved, least noisy)
