@@ -106,17 +106,17 @@ def real_model(name: str, sizes: list[int], rounds: int) -> int:
         model(feed, cache)
     finally:
         quant.Int4Linear._use_panels = switch
-    bound["float"] = fast.layers, fast.head  # the closures keep the canonical tensors alive
-    fast.layers = None
+    bound["float"] = fast.stack, fast.head  # the bound products keep the canonical tensors alive
+    fast.stack = None
     cache.rollback(0)
     model(feed, cache)  # binds again, switching the layers to panels
-    bound["vnni"] = fast.layers, fast.head
+    bound["vnni"] = fast.stack, fast.head
     length = cache.length
     times: dict[tuple[str, int], list[float]] = {(p, m): [] for p in bound for m in sizes}
     for round_index in range(rounds + 1):
         for m in sizes:
-            for path, (layers, head) in bound.items():
-                fast.layers, fast.head = layers, head
+            for path, (stack, head) in bound.items():
+                fast.stack, fast.head = stack, head
                 cache.rollback(length)
                 started = time.perf_counter()
                 model(feed[:, :m], cache)

@@ -320,6 +320,21 @@ def test_layers_switch_to_panels_once_and_keep_the_canonical_layout_outside(fmt)
     assert torch.equal(layer(x), y)
 
 
+@needs_kernels
+def test_a_bound_product_is_its_kernel_and_rejects_unknown_names():
+    k = kernels.cpu_kernels()
+    gen = torch.Generator().manual_seed(11)
+    weight, bias, x, residual = (torch.randn(32, 64, generator=gen), torch.randn(32, generator=gen),
+                                 torch.randn(3, 64, generator=gen), torch.randn(3, 32, generator=gen))
+    product = k.Product("linear_float", [weight], bias)
+    assert torch.equal(product(x, residual), k.linear_float(x, weight, bias, residual))
+    assert torch.equal(product(x), k.linear_float(x, weight, bias, None))
+    with pytest.raises(RuntimeError, match="no product kernel named linear_nothing"):
+        k.Product("linear_nothing", [weight], None)
+    with pytest.raises(RuntimeError, match="takes 2 weight tensors"):
+        k.Product("linear_int8", [weight], None)
+
+
 def test_quantised_weights_are_smaller_and_close(folder):
     sizes = {fmt: _load(folder, fmt).weight_bytes() for fmt in ("float32", "int8", "int4")}
     assert sizes["int4"] < sizes["int8"] < sizes["float32"] / 3

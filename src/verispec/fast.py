@@ -2,9 +2,10 @@
 
 The reference forward (models/dense.py) makes some 25 PyTorch calls per layer; on a
 2-core CPU their dispatch costs as much as a small model's weights take to read. With
-packed weights (verispec.quant) a layer here is seven calls: norm, fused q/k/v product,
+packed weights (verispec.quant) a layer is eight kernel calls: norm, fused q/k/v product,
 attention (rotary, cache write and attention in one kernel), output product with the
-residual added in, norm, fused gate/up product, SwiGLU, down product with the residual.
+residual added in, norm, fused gate/up product, SwiGLU, down product with the residual;
+the kernels' DecoderStack makes them for every layer in one call from Python.
 
 Activations stay float32 whatever the weight format. Every kernel is batch-invariant, so
 a verification pass over γ+1 positions yields the very logits of γ+1 single steps.
@@ -22,21 +23,19 @@ from verispec.kernels import cpu_kernels
 from verispec.quant import KERNEL_MAX_ROWS, PackedLinear
 
 
-class _Layer:
-    """One decoder layer's tensors, as the kernels take them."""
-
-    def __init__(self, layer: nn.Module, kernels):
-        attn, mlp = layer.self_attn, layer.mlp
-        self.norm1 = layer.input_layernorm.weight.detach().float()
-        self.norm2 = layer.post_attention_layernorm.weight.detach().float()
-        self.eps1, self.eps2 = layer.input_layernorm.eps, layer.post_attention_layernorm.eps
-        self.qkv, self.out = attn.qkv_proj.bound_kernel(kernels), attn.o_proj.bound_kernel(kernels)
-        self.gate_up, self.down = mlp.gate_up_proj.bound_kernel(kernels), mlp.down_proj.bound_kernel(kernels)
-        self.index, self.heads, self.kv_heads = attn.layer_index, attn.num_heads, attn.num_kv_heads
-        self.window = attn.window or 0
-        self.q_norm = attn.q_norm.weight.detach().float() if attn.q_norm is not None else None
-        self.k_norm = attn.k_norm.weight.detach().float() if attn.k_norm is not None else None
-        self.qk_eps = attn.q_norm.eps if attn.q_norm is not None else 1e-6
+def _decoder_layer(layer: nn.Module, kernels):
+    """One decoder layer's tensors and bound products, as the kernels' DecoderStack takes them."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norm = lambda module: module.weight.detach().float().contiguous()  # noqa: E731
+    return kernels.DecoderLayer(
+        norm1=norm(layer.input_layernorm), eps1=layer.input_layernorm.eps,
+        qkv=attn.qkv_proj.bound_kernel(kernels), out=attn.o_proj.bound_kernel(kernels),
+        norm2=norm(layer.post_attention_layernorm), eps2=layer.post_attention_layernorm.eps,
+        gate_up=mlp.gate_up_proj.bound_kernel(kernels), down=mlp.down_proj.bound_kernel(kernels),
+        index=attn.layer_index, heads=attn.num_heads, kv_heads=attn.num_kv_heads, window=attn.window or 0,
+        q_norm=norm(attn.q_norm) if attn.q_norm is not None else None,
+        k_norm=norm(attn.k_norm) if attn.k_norm is not None else None,
+        qk_eps=attn.q_norm.eps if attn.q_norm is not None else 1e-6)
 
 
 def _supported(model: nn.Module) -> bool:
@@ -61,7 +60,7 @@ class FastPath:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.layers: list[_Layer] | None = None  # bound to the kernels on first use
+        self.stack = None  # the kernels' DecoderStack, bound on first use
         self.final_norm = model.model.norm.weight.detach().float()
         self.final_eps = model.model.norm.eps
         self.hidden = model.config.hidden_size
@@ -89,8 +88,8 @@ class FastPath:
     def _forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool, head: bool = True
                  ) -> torch.Tensor | None:
         kernels = cpu_kernels()
-        if self.layers is None:
-            self.layers = [_Layer(layer, kernels) for layer in self.model.model.layers]
+        if self.stack is None:
+            self.stack = kernels.DecoderStack([_decoder_layer(layer, kernels) for layer in self.model.model.layers])
             self.head = self.model.lm_head.bound_kernel(kernels)
         model, start, length = self.model, cache.length, tokens.shape[1]
         if start + length > cache.max_len:
@@ -99,15 +98,7 @@ class FastPath:
         cos = model.rope_cos[start:start + length]
         sin = model.rope_sin[start:start + length]
         x = model.model.embed_tokens(tokens[0]).float()
-        for layer in self.layers:
-            h = kernels.rms_norm(x, layer.norm1, layer.eps1)
-            qkv = layer.qkv(h)
-            attended = kernels.attention(qkv, cache.k[layer.index, 0], cache.v[layer.index, 0], cos, sin,
-                                         start, layer.heads, layer.kv_heads, layer.window,
-                                         layer.q_norm, layer.k_norm, layer.qk_eps)
-            x = layer.out(attended, x)
-            h = kernels.rms_norm(x, layer.norm2, layer.eps2)
-            x = layer.down(kernels.silu_mul(layer.gate_up(h)), x)
+        x = self.stack.forward(x, cache.k, cache.v, cos, sin, start)
         cache.advance(length)
         if not head:
             return None

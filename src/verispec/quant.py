@@ -118,10 +118,9 @@ class PackedLinear(nn.Module, metaclass=ABCMeta):
         return getattr(kernels, self.KERNEL)(x, *(getattr(self, name) for name in self.STORED), self.bias, residual)
 
     def bound_kernel(self, kernels):
-        """`kernel` with this layer's tensors looked up once: f(x, residual) for a hot loop."""
+        """`kernel` bound to this layer's tensors once (a `kernels.Product`): f(x, residual=None)."""
         self._use_panels(kernels)
-        function, tensors, bias = getattr(kernels, self.KERNEL), [getattr(self, n) for n in self.STORED], self.bias
-        return lambda x, residual=None: function(x, *tensors, bias, residual)
+        return kernels.Product(self.KERNEL, [getattr(self, n) for n in self.STORED], self.bias)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
