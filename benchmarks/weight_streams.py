@@ -2,6 +2,7 @@
 
     python benchmarks/weight_streams.py                  # float32, bfloat16, int8; m = 1 and 5
     python benchmarks/weight_streams.py --formats int8 --rows 1 --rounds 15
+    python benchmarks/weight_streams.py --threads 1     # what one core reads
 
 For each format, six copies of one Qwen2.5-1.5B layer's four products (qkv 2048x1536,
 o 1536x1536, gate_up 17920x1536, down 1536x8960; far more than the 32 MB cache) are
@@ -83,7 +84,10 @@ def main() -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 5])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--copies", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from verispec.kernels import cpu_kernels
 
@@ -120,7 +124,7 @@ def main() -> int:
                   f"2 MB / 4 KB pages {rate['panels'] / rate['panels-4k']:.2f}, "
                   f"panels / best sum {rate['panels'] / max(rate['sum'], rate['sum-prefetch']):.2f}")
         del ways, buffer
-    save("weight_streams", {"rounds": args.rounds, "copies": args.copies, "results": results})
+    save("weight_streams" + (f"_{args.threads}t" if args.threads else ""), {"rounds": args.rounds, "copies": args.copies, "results": results})
     return 0
 
 
