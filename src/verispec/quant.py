@@ -87,7 +87,8 @@ class PackedLinear(nn.Module, metaclass=ABCMeta):
     PANEL_STORED: tuple[str, ...] = ()
     CANONICAL: tuple[str, ...] = ()
 
-    def to_panels(self, kernels) -> torch.Tensor:
+    def make_panels(self, kernels) -> torch.Tensor:
+        """The CANONICAL tensors in the panel layout."""
         raise NotImplementedError
 
     def canonical_from_panels(self) -> tuple[torch.Tensor, ...]:
@@ -98,7 +99,7 @@ class PackedLinear(nn.Module, metaclass=ABCMeta):
         if (self.PANEL_KERNEL and getattr(self, "panels", None) is None and kernels is not None
                 and hasattr(kernels, self.PANEL_KERNEL) and self.out_features % PANEL == 0
                 and self.in_features % GROUP == 0 and getattr(self, self.CANONICAL[0]).device.type == "cpu"):
-            self.panels = self.to_panels(kernels)
+            self.panels = self.make_panels(kernels)
             for name in self.CANONICAL:
                 setattr(self, name, None)
             self.STORED, self.KERNEL = self.PANEL_STORED, self.PANEL_KERNEL
@@ -111,7 +112,7 @@ class PackedLinear(nn.Module, metaclass=ABCMeta):
 
     def kernel_ready(self) -> bool:
         self._use_panels(cpu_kernels())
-        return self.in_features % 32 == 0
+        return self.in_features % GROUP == 0
 
     def kernel(self, kernels, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         self._use_panels(kernels)
@@ -161,7 +162,7 @@ class FloatLinear(PackedLinear):
         self.register_buffer("panels", None, persistent=False)
         self.fmt = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[weight.dtype]
 
-    def to_panels(self, kernels):
+    def make_panels(self, kernels):
         return to_panels(self.weight)
 
     def canonical_from_panels(self):
@@ -199,7 +200,7 @@ class Int8Linear(PackedLinear):
         self.register_buffer("scale", scale.float().contiguous())
         self.register_buffer("panels", None, persistent=False)
 
-    def to_panels(self, kernels):
+    def make_panels(self, kernels):
         return to_panels(self.weight)
 
     def canonical_from_panels(self):
@@ -252,7 +253,7 @@ class Int4Linear(PackedLinear):
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int4Linear":
         return cls(*int4_from_float(weight), bias)
 
-    def to_panels(self, kernels):
+    def make_panels(self, kernels):
         return kernels.int4_to_panels(self.nibbles, self.scales)
 
     def canonical_from_panels(self):

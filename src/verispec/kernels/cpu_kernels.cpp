@@ -156,9 +156,9 @@ inline void parallel_range(int64_t n, int64_t grain, const std::function<void(in
   });
 }
 
-// How far ahead a sequential stream of weights is fetched into the cache. With 8 KB one
-// core still read int8 panels at only 31 GB/s (memory latency is long on these machines);
-// 16-32 KB reached 38 GB/s, as fast as a plain sum of the same bytes.
+// How far ahead a sequential stream of weights is fetched into the cache. Memory latency
+// is long on the machines this was tuned on: fetching 8 KB ahead still left one core well
+// short of a plain sum of the same bytes, 16-32 KB matched it.
 constexpr int64_t kStreamPrefetch = 20 * 1024;
 
 // ------------------------------------------------------------------ SIMD layer
@@ -769,12 +769,13 @@ at::Tensor dequantize_int4_panels(const at::Tensor& panels) {
 #endif  // AVX-512 VNNI
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// ------------------------------------------------------------------ float32 / bfloat16 / float16 / int8 panels (AVX-512)
+// ------------------------------------------------------------------ panels: float32 / bfloat16 / float16, int8 (AVX-512)
 //
 // The same products as `linear_float` and `linear_int8`, on weights rearranged so that
 // each thread reads one sequential stream. Row-major weights make a tile of 4 columns
 // read 4 streams of a few kilobytes each; the hardware prefetcher never gets ahead of
-// them, and one core read int8 weights at 24 GB/s where a plain sum reads 37-40 GB/s.
+// them, and one core read int8 weights at three quarters of what a plain sum of the same
+// bytes reads (benchmarks/weight_streams.py --threads 1 compares the two layouts).
 //
 // Layout: panels [n/16, k/L, 16, L] of the weight's own type, L = 4 bytes / element size
 // (float32 1, 16-bit floats 2, int8 4): every 64-byte line holds L consecutive inputs of
