@@ -1,8 +1,9 @@
 """How fast the weight kernels read memory, per layout and page size, against plain sums.
 
-    python benchmarks/weight_streams.py                  # float32, bfloat16, int8; m = 1 and 5
+    python benchmarks/weight_streams.py                  # float32, bfloat16, int8, int4; m = 1 and 5
     python benchmarks/weight_streams.py --formats int8 --rows 1 --rounds 15
     python benchmarks/weight_streams.py --threads 1     # what one core reads
+    python benchmarks/weight_streams.py --prefetch 0 8192 20480 40960   # prefetch distances, bytes
 
 For each format, six copies of one Qwen2.5-1.5B layer's four products (qkv 2048x1536,
 o 1536x1536, gate_up 17920x1536, down 1536x8960; far more than the 32 MB cache) are
@@ -13,7 +14,8 @@ multiplied by m rows, in three ways:
   panels-4k     the same panels copied into memory that is kept on 4 KB pages
 
 and two plain sums read a buffer of the same size (`stream_sum`, without and with fetching
-ahead). Everything is interleaved round by round in one process, so a change in machine
+ahead). With --prefetch, the panels run once per prefetch distance instead (0: the
+hardware prefetcher alone). int4's row-major kernel is the float32 one (`linear_int4`). Everything is interleaved round by round in one process, so a change in machine
 load hits all alike; medians are given as GB/s of weights read.
 """
 
@@ -51,7 +53,7 @@ def small_pages_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 def build(fmt: str, copies: int, kernels) -> tuple[dict, int]:
     """The three ways to run each product: name -> list of (function of x, input size)."""
-    from verispec.quant import Int8Linear, to_panels
+    from verispec.quant import Int4Linear, Int8Linear, to_panels
 
     generator = torch.Generator().manual_seed(0)
     ways: dict[str, list] = {"row-major": [], "panels": [], "panels-4k": []}
@@ -59,6 +61,16 @@ def build(fmt: str, copies: int, kernels) -> tuple[dict, int]:
     for _ in range(copies):
         for n, k in SHAPES:
             weight = torch.randn(n, k, generator=generator)
+            if fmt == "int4":
+                layer = Int4Linear.from_float(weight)
+                q, scales = layer.nibbles, layer.scales
+                panels = kernels.int4_to_panels(q, scales)
+                small = small_pages_copy(panels)
+                ways["row-major"].append((lambda x, q=q, s=scales: kernels.linear_int4(x, q, s, None, None), k))
+                ways["panels"].append((lambda x, p=panels: kernels.linear_int4_panels(x, p, None, None), k))
+                ways["panels-4k"].append((lambda x, p=small: kernels.linear_int4_panels(x, p, None, None), k))
+                nbytes += panels.numel()
+                continue
             if fmt == "int8":
                 layer = Int8Linear.from_float(weight)
                 w, scale = layer.weight, layer.scale
@@ -80,11 +92,13 @@ def build(fmt: str, copies: int, kernels) -> tuple[dict, int]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--formats", nargs="+", default=["float32", "bfloat16", "int8"])
+    parser.add_argument("--formats", nargs="+", default=["float32", "bfloat16", "int8", "int4"])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 5])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--copies", type=int, default=6)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--prefetch", type=int, nargs="+", default=None,
+                        help="run the panels at each of these prefetch distances (bytes, multiples of 64)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -98,8 +112,16 @@ def main() -> int:
     print(f"weight streams: {torch.get_num_threads()} threads, {machine_load()}")
     warn_if_busy()
     results = {}
+    default_prefetch = kernels.stream_prefetch()
     for fmt in args.formats:
         ways, nbytes = build(fmt, args.copies, kernels)
+        distances = {"panels": default_prefetch}
+        if args.prefetch:
+            panels = ways.pop("panels")
+            del ways["panels-4k"]
+            for distance in args.prefetch:
+                ways[f"panels@{distance // 1024}K" if distance else "panels@none"] = panels
+                distances[f"panels@{distance // 1024}K" if distance else "panels@none"] = distance
         buffer = torch.ones(nbytes // 4)
         sums = {"sum": lambda: kernels.stream_sum(buffer), "sum-prefetch": lambda: kernels.stream_sum(buffer, True)}
         for m in args.rows:
@@ -107,11 +129,13 @@ def main() -> int:
             times: dict[str, list[float]] = {name: [] for name in [*ways, *sums]}
             for round_index in range(args.rounds + 1):
                 for name, products in ways.items():
+                    kernels.set_stream_prefetch(distances.get(name, default_prefetch))
                     started = time.perf_counter()
                     for product, k in products:
                         product(inputs[k])
                     if round_index:  # the first round warms up
                         times[name].append(time.perf_counter() - started)
+                kernels.set_stream_prefetch(default_prefetch)
                 for name, read in sums.items():
                     started = time.perf_counter()
                     read()
@@ -119,12 +143,15 @@ def main() -> int:
                         times[name].append(time.perf_counter() - started)
             rate = {name: nbytes / median(t) / 1e9 for name, t in times.items()}
             results[f"{fmt} m={m}"] = rate
-            print(f"  {fmt:>8} m={m}: " + ", ".join(f"{name} {r:.1f}" for name, r in rate.items()) + " GB/s; "
-                  f"panels / row-major {rate['panels'] / rate['row-major']:.2f}, "
-                  f"2 MB / 4 KB pages {rate['panels'] / rate['panels-4k']:.2f}, "
-                  f"panels / best sum {rate['panels'] / max(rate['sum'], rate['sum-prefetch']):.2f}")
+            line = f"  {fmt:>8} m={m}: " + ", ".join(f"{name} {r:.1f}" for name, r in rate.items()) + " GB/s"
+            if "panels" in rate:
+                line += (f"; panels / row-major {rate['panels'] / rate['row-major']:.2f}, "
+                         f"2 MB / 4 KB pages {rate['panels'] / rate['panels-4k']:.2f}, "
+                         f"panels / best sum {rate['panels'] / max(rate['sum'], rate['sum-prefetch']):.2f}")
+            print(line)
         del ways, buffer
-    save("weight_streams" + (f"_{args.threads}t" if args.threads else ""), {"rounds": args.rounds, "copies": args.copies, "results": results})
+    kernels.set_stream_prefetch(default_prefetch)
+    save("weight_streams" + (f"_{args.threads}t" if args.threads else "") + ("_prefetch" if args.prefetch else ""), {"rounds": args.rounds, "copies": args.copies, "results": results})
     return 0
 
 

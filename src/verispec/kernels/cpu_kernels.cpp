@@ -13,7 +13,7 @@
 // compiler cannot fuse differently in different template instances.
 //
 // With AVX-512 every format also has a "panel" layout (16 output columns interleaved) that
-// each thread reads as one sequential stream, fetched kStreamPrefetch bytes ahead: the
+// each thread reads as one sequential stream, fetched stream_prefetch() bytes ahead: the
 // row-major kernels read several short streams at once and fell behind the memory system.
 // `linear_float_panels` keeps float32 activations; `linear_int8_panels` carries them in
 // 16-bit fixed point and multiplies with `vpdpwssd`.
@@ -156,10 +156,22 @@ inline void parallel_range(int64_t n, int64_t grain, const std::function<void(in
   });
 }
 
-// How far ahead a sequential stream of weights is fetched into the cache. Memory latency
+// How far ahead a sequential stream of weights is fetched into the cache, 20 KB unless
+// `set_stream_prefetch` changes it (0: none, the hardware prefetcher alone). Memory latency
 // is long on the machines this was tuned on: fetching 8 KB ahead still left one core well
 // short of a plain sum of the same bytes, 16-32 KB matched it.
-constexpr int64_t kStreamPrefetch = 20 * 1024;
+std::atomic<int64_t> g_stream_prefetch{20 * 1024};
+inline int64_t stream_prefetch() { return g_stream_prefetch.load(std::memory_order_relaxed); }
+void set_stream_prefetch(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0 && bytes % 64 == 0, "the prefetch distance must be a multiple of 64 bytes, not ", bytes);
+  g_stream_prefetch.store(bytes, std::memory_order_relaxed);
+}
+
+// Fetches lines [from, to) of a stream that ends at `end` (nothing past it).
+inline void prefetch_lines(const uint8_t* from, const uint8_t* to, const uint8_t* end) {
+  for (const uint8_t* p = from; p < std::min(to, end); p += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
 
 // ------------------------------------------------------------------ SIMD layer
 
@@ -552,9 +564,9 @@ at::Tensor dequantize_int4(const at::Tensor& q, const at::Tensor& scales) {
 constexpr int kPanel = 16;                        // output columns per panel
 constexpr int64_t kPanelGroupBytes = 64 + 256;    // scales, then nibbles
 constexpr int kPanelRows = 10;                    // rows per tile (the zmm budget is 32)
-// how far ahead (10 KB) each thread's stream of panels is fetched: the hardware prefetcher
-// alone falls behind once a tile has several rows (9 rows: 1.6 ms -> 3.0 ms per 1.5B layer)
-constexpr int64_t kPanelPrefetch = 32 * kPanelGroupBytes;
+// Each thread's stream of panels is fetched stream_prefetch() bytes ahead: the hardware
+// prefetcher alone falls behind once a tile has several rows (9 rows: 1.6 ms -> 3.0 ms per
+// 1.5B layer when this kernel was written).
 
 struct RoundedRows {  // activations per row in groups of 32: int8 values, dx, dx * sum(xq)
   std::vector<int8_t> q;
@@ -610,7 +622,7 @@ inline __m512i broadcast_dword(const int8_t* p) {
 template <int R>
 __attribute__((noinline)) void panel_tile(const uint8_t* panel, int64_t groups, const RoundedRows& xr, int64_t row0, int64_t k,
                        float* y, int64_t ldy, int64_t col0, const float* bias, const float* residual,
-                       const uint8_t* fetch_end) {
+                       const uint8_t* fetch_end, int64_t ahead) {
   constexpr int kChains = R <= 2 ? 4 : (R <= 4 ? 2 : 1);  // independent int32 sums per row
   const __m512i low = _mm512_set1_epi8(15);
   __m512 acc[R];
@@ -620,9 +632,9 @@ __attribute__((noinline)) void panel_tile(const uint8_t* panel, int64_t groups, 
   const float* cx = xr.c.data() + row0 * groups;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* p = panel + g * kPanelGroupBytes;
-    if (fetch_end && p + kPanelPrefetch + kPanelGroupBytes <= fetch_end)
+    if (fetch_end && p + ahead + kPanelGroupBytes <= fetch_end)
       for (int line = 0; line < 5; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(p + kPanelPrefetch + 64 * line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p + ahead + 64 * line), _MM_HINT_T0);
     const __m512 s = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p)));
     const __m512 z = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p + 32)));
     __m512i sum[R][kChains];
@@ -658,9 +670,9 @@ __attribute__((noinline)) void panel_tile(const uint8_t* panel, int64_t groups, 
 
 inline void panel_rows(int rows, const uint8_t* panel, int64_t groups, const RoundedRows& xr, int64_t row0,
                        int64_t k, float* y, int64_t ldy, int64_t col0, const float* bias,
-                       const float* residual, const uint8_t* fetch_end) {
+                       const float* residual, const uint8_t* fetch_end, int64_t ahead) {
 #define VERISPEC_TILE(R) \
-  case R: panel_tile<R>(panel, groups, xr, row0, k, y, ldy, col0, bias, residual, fetch_end); return;
+  case R: panel_tile<R>(panel, groups, xr, row0, k, y, ldy, col0, bias, residual, fetch_end, ahead); return;
   switch (rows) {
     VERISPEC_TILE(1) VERISPEC_TILE(2) VERISPEC_TILE(3) VERISPEC_TILE(4) VERISPEC_TILE(5)
     VERISPEC_TILE(6) VERISPEC_TILE(7) VERISPEC_TILE(8) VERISPEC_TILE(9) VERISPEC_TILE(10)
@@ -676,14 +688,16 @@ void matmul_panels(const uint8_t* panels, int64_t n, int64_t k, const float* x, 
   // rows split into tiles as even as the budget allows (17 rows: 9 + 8, not 10 + 7)
   const int64_t tiles = (m + kPanelRows - 1) / kPanelRows;
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kPanel * k * std::max<int64_t>(1, m)));
+  const int64_t ahead = stream_prefetch();
   parallel_range(count, grain, [&](int64_t begin, int64_t end) {
-    const uint8_t* fetch_end = panels + end * stride;
+    const uint8_t* fetch_end = ahead ? panels + end * stride : nullptr;
+    if (ahead) prefetch_lines(panels + begin * stride, panels + begin * stride + ahead, fetch_end);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t col0 = p * kPanel;
       for (int64_t t = 0, row0 = 0; t < tiles; ++t) {
         const int rows = static_cast<int>((m - row0) / (tiles - t));
         panel_rows(rows, panels + p * stride, groups, xr, row0, k, y + row0 * n, n, col0, bias,
-                   residual ? residual + row0 * n : nullptr, t == 0 ? fetch_end : nullptr);
+                   residual ? residual + row0 * n : nullptr, t == 0 ? fetch_end : nullptr, ahead);
         row0 += rows;
       }
     }
@@ -804,26 +818,21 @@ struct PanelF16 {
     w[1] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
   }
 };
-// Fetches lines [from, to) of a stream that ends at `end` (nothing past it).
-inline void prefetch_lines(const uint8_t* from, const uint8_t* to, const uint8_t* end) {
-  for (const uint8_t* p = from; p < std::min(to, end); p += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-}
 
 // rows [0, R) x the 16 columns of one panel, over all k; `fetch_end` (or null): where this
-// thread's stream ends, for fetching kStreamPrefetch bytes ahead
+// thread's stream ends, for fetching `ahead` bytes ahead
 template <class P, int R>
 __attribute__((noinline)) void float_panel_tile(const uint8_t* panel, int64_t k, const float* x, float* y,
                                                 int64_t ldy, int64_t col0, const float* bias, const float* residual,
-                                                const uint8_t* fetch_end) {
+                                                const uint8_t* fetch_end, int64_t ahead) {
   constexpr int L = P::kPerLine, kLinesPerStep = 4 / L;  // one step: 4 inputs, one per accumulator
   __m512 a0[R], a1[R], a2[R], a3[R];
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = a2[r] = a3[r] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < k; kk += 4) {
     const uint8_t* line = panel + kk / L * 64;
-    if (fetch_end && line + kStreamPrefetch < fetch_end)
+    if (fetch_end && line + ahead < fetch_end)
       for (int l = 0; l < kLinesPerStep; ++l)
-        _mm_prefetch(reinterpret_cast<const char*>(line + kStreamPrefetch + 64 * l), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(line + ahead + 64 * l), _MM_HINT_T0);
     __m512 w[4];
     for (int l = 0; l < kLinesPerStep; ++l) P::unpack(_mm512_loadu_si512(line + 64 * l), w + l * L);
     for (int r = 0; r < R; ++r) {
@@ -844,9 +853,10 @@ __attribute__((noinline)) void float_panel_tile(const uint8_t* panel, int64_t k,
 
 template <class P>
 void float_panel_rows(int rows, const uint8_t* panel, int64_t k, const float* x, float* y, int64_t ldy,
-                      int64_t col0, const float* bias, const float* residual, const uint8_t* fetch_end) {
+                      int64_t col0, const float* bias, const float* residual, const uint8_t* fetch_end,
+                      int64_t ahead) {
 #define VERISPEC_TILE(R) \
-  case R: float_panel_tile<P, R>(panel, k, x, y, ldy, col0, bias, residual, fetch_end); return;
+  case R: float_panel_tile<P, R>(panel, k, x, y, ldy, col0, bias, residual, fetch_end, ahead); return;
   switch (rows) { VERISPEC_TILE(1) VERISPEC_TILE(2) VERISPEC_TILE(3) VERISPEC_TILE(4) VERISPEC_TILE(5) VERISPEC_TILE(6) }
 #undef VERISPEC_TILE
   static_assert(kFloatPanelRows == 6, "one case per tile size");
@@ -858,15 +868,16 @@ void matmul_float_panels(const uint8_t* panels, int64_t n, int64_t k, const floa
   const int64_t count = n / kFloatPanel, stride = kFloatPanel * k * 4 / P::kPerLine;
   const int64_t tiles = (m + kFloatPanelRows - 1) / kFloatPanelRows;
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kFloatPanel * k * std::max<int64_t>(1, m)));
+  const int64_t ahead = stream_prefetch();
   parallel_range(count, grain, [&](int64_t begin, int64_t end) {
-    const uint8_t* fetch_end = panels + end * stride;
-    prefetch_lines(panels + begin * stride, panels + begin * stride + kStreamPrefetch, fetch_end);
+    const uint8_t* fetch_end = ahead ? panels + end * stride : nullptr;
+    if (ahead) prefetch_lines(panels + begin * stride, panels + begin * stride + ahead, fetch_end);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t col0 = p * kFloatPanel;
       for (int64_t t = 0, row0 = 0; t < tiles; ++t) {
         const int rows = static_cast<int>((m - row0) / (tiles - t));
         float_panel_rows<P>(rows, panels + p * stride, k, x + row0 * k, y + row0 * n, n, col0, bias,
-                            residual ? residual + row0 * n : nullptr, t == 0 ? fetch_end : nullptr);
+                            residual ? residual + row0 * n : nullptr, t == 0 ? fetch_end : nullptr, ahead);
         row0 += rows;
       }
     }
@@ -938,7 +949,8 @@ Int16Rows round_rows_int16(const float* x, int64_t m, int64_t k) {
 template <int R>
 __attribute__((noinline)) void int8_panel_tile(const int8_t* panel, int64_t k, const Int16Rows& xr, int64_t row0,
                                                float* y, int64_t ldy, int64_t col0, const float* scale,
-                                               const float* bias, const float* residual, const uint8_t* fetch_end) {
+                                               const float* bias, const float* residual, const uint8_t* fetch_end,
+                                               int64_t ahead) {
   // independent int32 sums per row, so that one row is not held up by the latency of
   // `vpdpwssd` (int32 sums are exact, so their number does not change the result)
   constexpr int kChains = R == 1 ? 8 : (R == 2 ? 4 : (R <= 5 ? 2 : 1));
@@ -947,14 +959,14 @@ __attribute__((noinline)) void int8_panel_tile(const int8_t* panel, int64_t k, c
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* lines = reinterpret_cast<const uint8_t*>(panel) + g * kGroup * kFloatPanel;
-    const bool fetch = fetch_end && lines + kStreamPrefetch + 512 <= fetch_end;
+    const bool fetch = fetch_end && lines + ahead + 512 <= fetch_end;
     __m512i s0[R], s1[R], s2[R], s3[R], s4[R], s5[R], s6[R], s7[R];
     __m512i* sums[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
     for (int c = 0; c < kChains; ++c)
       for (int r = 0; r < R; ++r) sums[c][r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int t = 0; t < kGroup / 4; ++t) {
-      if (fetch) _mm_prefetch(reinterpret_cast<const char*>(lines + kStreamPrefetch + 64 * t), _MM_HINT_T0);
+      if (fetch) _mm_prefetch(reinterpret_cast<const char*>(lines + ahead + 64 * t), _MM_HINT_T0);
       const __m512i v = _mm512_loadu_si512(lines + 64 * t);
       const __m512i even = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8);  // inputs 4t, 4t+2
       const __m512i odd = _mm512_srai_epi16(v, 8);                          // inputs 4t+1, 4t+3
@@ -999,10 +1011,11 @@ at::Tensor linear_int8_panels(const at::Tensor& x, const at::Tensor& panels, con
   const int64_t count = n / kFloatPanel, stride = kFloatPanel * k;
   const int64_t tiles = (m + kInt8PanelRows - 1) / kInt8PanelRows;
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kFloatPanel * k * m));
+  const int64_t ahead = stream_prefetch();
   parallel_range(count, grain, [&](int64_t begin, int64_t end) {
     const uint8_t* base = reinterpret_cast<const uint8_t*>(w);
-    const uint8_t* fetch_end = base + end * stride;
-    prefetch_lines(base + begin * stride, base + begin * stride + kStreamPrefetch, fetch_end);
+    const uint8_t* fetch_end = ahead ? base + end * stride : nullptr;
+    if (ahead) prefetch_lines(base + begin * stride, base + begin * stride + ahead, fetch_end);
     for (int64_t p = begin; p < end; ++p)
       for (int64_t t = 0, row0 = 0; t < tiles; ++t) {
         const int rows = static_cast<int>((m - row0) / (tiles - t));
@@ -1012,7 +1025,7 @@ at::Tensor linear_int8_panels(const at::Tensor& x, const at::Tensor& panels, con
         const uint8_t* fe = t == 0 ? fetch_end : nullptr;
         switch (rows) {
 #define VERISPEC_TILE(R) \
-  case R: int8_panel_tile<R>(panel, k, xr, row0, yr, n, p * kFloatPanel, sp, bp, rr, fe); break;
+  case R: int8_panel_tile<R>(panel, k, xr, row0, yr, n, p * kFloatPanel, sp, bp, rr, fe, ahead); break;
           VERISPEC_TILE(1) VERISPEC_TILE(2) VERISPEC_TILE(3) VERISPEC_TILE(4) VERISPEC_TILE(5)
           VERISPEC_TILE(6) VERISPEC_TILE(7) VERISPEC_TILE(8) VERISPEC_TILE(9) VERISPEC_TILE(10)
 #undef VERISPEC_TILE
@@ -1196,12 +1209,13 @@ at::Tensor attention(const at::Tensor& qkv, at::Tensor kcache, at::Tensor vcache
 }
 
 // Reads every byte of a float32 tensor (sums it): the best read bandwidth these kernels see.
-// With `prefetch`, each thread fetches its stream kStreamPrefetch bytes ahead as the panel
+// With `prefetch`, each thread fetches its stream stream_prefetch() bytes ahead as the panel
 // kernels do, so the reference is never slower than the products measured against it.
 double stream_sum(const at::Tensor& t, bool prefetch) {
   const float* p = t.data_ptr<float>();
   const int64_t n = t.numel() / (4 * kLanes) * (4 * kLanes);
-  const int64_t steps = n / (4 * kLanes), chunk = 1 << 16;
+  const int64_t steps = n / (4 * kLanes), chunk = 1 << 16, ahead = stream_prefetch();
+  prefetch = prefetch && ahead > 0;
   std::vector<double> partial((steps + chunk - 1) / chunk, 0.0);
   parallel_range(partial.size(), 1, [&](int64_t first, int64_t last) {
     for (int64_t c = first; c < last; ++c) {
@@ -1210,7 +1224,7 @@ double stream_sum(const at::Tensor& t, bool prefetch) {
         const float* q = p + i * 4 * kLanes;
         if (prefetch)
           for (int line = 0; line < 4 * kLanes * 4; line += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(q) + kStreamPrefetch + line, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(q) + ahead + line, _MM_HINT_T0);
         a = vadd(a, vload(q));
         b = vadd(b, vload(q + kLanes));
         d = vadd(d, vload(q + 2 * kLanes));
@@ -1353,6 +1367,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](std::vector<DecoderLayer> layers) { return DecoderStack{std::move(layers)}; }))
       .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("k"), py::arg("v"), py::arg("cos"),
            py::arg("sin"), py::arg("start"));
+  m.def("set_stream_prefetch", &set_stream_prefetch,
+        "how many bytes ahead the panel kernels fetch each thread's stream (0: leave it to the hardware)");
+  m.def("stream_prefetch", &stream_prefetch, "the panel kernels' prefetch distance in bytes");
   m.def("stream_sum", &stream_sum, "sum of a float32 tensor, read once", py::arg("t"), py::arg("prefetch") = false);
   m.attr("lanes") = kLanes;
 }
