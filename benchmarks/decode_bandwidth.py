@@ -14,6 +14,7 @@ the runs whose two measurements agree within 10% (a run during which the bandwid
 says nothing about either level; all runs count if none is steady). The best bandwidth
 seen in the whole run, and each format's share of it, are printed too. r(m) comes from forward passes over m positions on the same cache, the sizes
 interleaved round by round so that a change in machine load hits them all alike.
+Each run's summary is appended to results/perf/decode_bandwidth_history.jsonl.
 """
 
 from __future__ import annotations
@@ -119,8 +120,16 @@ def main() -> int:
     met3 = r5 is not None and r9 is not None and r5 <= 1.5 and r9 <= 2.5
     print(verdict(f"3 verification cost, fastest format {fastest['format']}",
                   f"r(5) = {r5:.2f} (<= 1.5), r(9) = {r9:.2f} (<= 2.5)", met3))
+    summary = {"model": model_name, "best_bandwidth": best,
+               "formats": {row["format"]: {"tok_s": row["tok_s"], "utilisation": row["utilisation"],
+                                           "steady_runs": row["steady_runs"],
+                                           "bandwidth_around": [min(b for r in row["runs"] for b in
+                                                                    (r["bandwidth_before"], r["bandwidth_after"])),
+                                                                max(b for r in row["runs"] for b in
+                                                                    (r["bandwidth_before"], r["bandwidth_after"]))],
+                                           "r5": row["r"].get(5), "r9": row["r"].get(9)} for row in rows}}
     save("decode_bandwidth" + ("_quick" if args.quick else ""),
-         {"model": model_name, "read_bandwidth": bandwidth, "rows": rows})
+         {"model": model_name, "read_bandwidth": bandwidth, "rows": rows}, history=summary)
     return 0 if (all_met and met3) or args.quick else 1
 
 

@@ -68,12 +68,17 @@ def verdict(name: str, figure: str, met: bool | None) -> str:
     return f"[{mark:>7}] {name}: {figure}"
 
 
-def save(name: str, record: dict) -> Path:
+def save(name: str, record: dict, history: dict | None = None) -> Path:
+    """Write `record` to results/perf/<name>.json (the latest run). With `history`, also
+    append that summary as one line to <name>_history.jsonl, so that runs taken while the
+    machine behaved differently are all kept."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    record = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "load": machine_load(),
-              "threads": torch.get_num_threads(), **record}
-    path.write_text(json.dumps(record, indent=2))
+    stamp = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "load": machine_load(), "threads": torch.get_num_threads()}
+    path.write_text(json.dumps({**stamp, **record}, indent=2))
+    if history is not None:
+        with (RESULTS / f"{name}_history.jsonl").open("a") as log:
+            log.write(json.dumps({**stamp, **history}) + "\n")
     return path
 
 
