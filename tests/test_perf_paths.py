@@ -287,6 +287,28 @@ def test_int8_panel_kernel_is_the_product_with_16_bit_activations():
         lambda rows, res: k.linear_int8_panels(rows, panels, layer.scale, layer.bias, res), x, residual)
 
 
+@needs_int8_panels
+def test_the_prefetch_distance_changes_speed_only():
+    k = kernels.cpu_kernels()
+    gen = torch.Generator().manual_seed(12)
+    layer = Int8Linear.from_float(torch.randn(4096, 256, generator=gen))  # several 20 KB streams
+    panels, x = to_panels(layer.weight), _rows(256, seed=13, count=5)
+    floats = to_panels(torch.randn(2048, 256, generator=gen))
+    default = k.stream_prefetch()
+    try:
+        results = []
+        for distance in (default, 0, 64, 4096):
+            k.set_stream_prefetch(distance)
+            results.append((k.linear_int8_panels(x, panels, layer.scale, None, None),
+                            k.linear_float_panels(x, floats, None, None)))
+        assert all(torch.equal(a, results[0][0]) and torch.equal(b, results[0][1]) for a, b in results)
+        with pytest.raises(RuntimeError, match="multiple of 64"):
+            k.set_stream_prefetch(100)
+    finally:
+        k.set_stream_prefetch(default)
+    assert k.stream_prefetch() == default == 20 * 1024
+
+
 def _layer(fmt: str, rows: int, cols: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     weight, bias = torch.randn(rows, cols, generator=gen), torch.randn(rows, generator=gen)
