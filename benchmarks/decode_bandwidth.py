@@ -12,9 +12,9 @@ format decodes in several short runs, each run between two bandwidth measurement
 utilisation is its bytes/s over the higher of the two, and the figure is the median over
 the runs whose two measurements agree within 10% (a run during which the bandwidth jumped
 says nothing about either level; all runs count if none is steady). The best bandwidth
-seen in the whole run, and each format's share of it, are printed too. r(m) comes from forward passes over m positions on the same cache, the sizes
-interleaved round by round so that a change in machine load hits them all alike.
-Each run's summary is appended to results/perf/decode_bandwidth_history.jsonl.
+seen in the whole run, and each format's share of it, are printed too. r(m) comes from
+forward passes over m positions on the same cache, the sizes interleaved round by round so
+that a change in machine load hits them all alike. Each run's summary is appended to results/perf/decode_bandwidth_history.jsonl.
 """
 
 from __future__ import annotations
@@ -98,13 +98,14 @@ def main() -> int:
         seen = [b for r in records for b in (r["bandwidth_before"], r["bandwidth_after"])]
         rows.append({"format": fmt, "weight_bytes": nbytes, "tok_s": rate, "t1_s": costs[1],
                      "r": {m: costs[m] / costs[1] for m in costs}, "bytes_per_s": nbytes * rate,
-                     "utilisation": utilisation, "steady_runs": len(steady), "runs": records})
+                     "utilisation": utilisation, "steady_runs": len(steady),
+                     "bandwidth_around": [min(seen), max(seen)], "runs": records})
         print(f"  {fmt:>8}: {nbytes / 1e6:7.0f} MB/token, {rate:6.2f} tok/s, step {costs[1] * 1e3:6.1f} ms, "
               + " ".join(f"r({m})={costs[m] / costs[1]:.2f}" for m in costs if m > 1)
               + f"; read bandwidth around its runs {min(seen) / 1e9:.1f}-{max(seen) / 1e9:.1f} GB/s, "
               f"{len(steady)} of {len(records)} runs steady")
         free(loaded)
-    best = max(b for row in rows for r in row["runs"] for b in (r["bandwidth_before"], r["bandwidth_after"]))
+    best = max(row["bandwidth_around"][1] for row in rows)
     print(f"  read bandwidth: best seen in this run {best / 1e9:.1f} GB/s; {machine_load()}")
     all_met = True
     for row in rows:
@@ -123,10 +124,7 @@ def main() -> int:
     summary = {"model": model_name, "best_bandwidth": best,
                "formats": {row["format"]: {"tok_s": row["tok_s"], "utilisation": row["utilisation"],
                                            "steady_runs": row["steady_runs"],
-                                           "bandwidth_around": [min(b for r in row["runs"] for b in
-                                                                    (r["bandwidth_before"], r["bandwidth_after"])),
-                                                                max(b for r in row["runs"] for b in
-                                                                    (r["bandwidth_before"], r["bandwidth_after"]))],
+                                           "bandwidth_around": row["bandwidth_around"],
                                            "r5": row["r"].get(5), "r9": row["r"].get(9)} for row in rows}}
     save("decode_bandwidth" + ("_quick" if args.quick else ""),
          {"model": model_name, "read_bandwidth": bandwidth, "rows": rows}, history=summary)

@@ -318,10 +318,8 @@ def _layer(fmt: str, rows: int, cols: int, seed: int):
 
 
 @needs_float_panels
-@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", pytest.param("int8", marks=needs_int8_panels)])
 def test_layers_switch_to_panels_once_and_keep_the_canonical_layout_outside(fmt):
-    if fmt == "int8" and not hasattr(kernels.cpu_kernels(), "linear_int8_panels"):
-        pytest.skip("the int8 panel kernel needs AVX-512 VNNI")
     layer, odd = _layer(fmt, 48, 64, seed=8), _layer(fmt, 40, 64, seed=9)  # 40 columns: no panels
     weight, dense, size = layer.weight.clone(), layer.dense_weight(), weight_bytes(layer)
     state = {name: t.clone() for name, t in layer.state_dict().items()}

@@ -26,7 +26,10 @@ from verispec.quant import KERNEL_MAX_ROWS, PackedLinear
 def _decoder_layer(layer: nn.Module, kernels):
     """One decoder layer's tensors and bound products, as the kernels' DecoderStack takes them."""
     attn, mlp = layer.self_attn, layer.mlp
-    norm = lambda module: module.weight.detach().float().contiguous()  # noqa: E731
+
+    def norm(module: nn.Module) -> torch.Tensor:
+        return module.weight.detach().float().contiguous()
+
     return kernels.DecoderLayer(
         norm1=norm(layer.input_layernorm), eps1=layer.input_layernorm.eps,
         qkv=attn.qkv_proj.bound_kernel(kernels), out=attn.o_proj.bound_kernel(kernels),

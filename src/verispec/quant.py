@@ -87,12 +87,13 @@ class PackedLinear(nn.Module, metaclass=ABCMeta):
     PANEL_STORED: tuple[str, ...] = ()
     CANONICAL: tuple[str, ...] = ()
 
+    @abstractmethod
     def make_panels(self, kernels) -> torch.Tensor:
         """The CANONICAL tensors in the panel layout."""
-        raise NotImplementedError
 
+    @abstractmethod
     def canonical_from_panels(self) -> tuple[torch.Tensor, ...]:
-        raise NotImplementedError
+        """The CANONICAL tensors, rebuilt from `panels`."""
 
     def _use_panels(self, kernels) -> None:
         """Switch to the panel layout, once, where the kernels have it."""

@@ -173,6 +173,32 @@ inline void prefetch_lines(const uint8_t* from, const uint8_t* to, const uint8_t
     _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 }
 
+constexpr int kPanel = 16;  // output columns per panel, in every panel layout
+
+// The loop every panel product shares: panels split among the threads, each thread's
+// panels one stream fetched `stream_prefetch()` bytes ahead (from the start of its piece),
+// and the m rows split into tiles of at most `max_rows`, as even as that allows (17 rows
+// of 10: 9 + 8, not 10 + 7). tile(rows, panel, row0, fetch_end, ahead) computes rows
+// [row0, row0 + rows) of one panel; only each panel's first tile fetches ahead.
+template <class Tile>
+void for_each_panel_tile(const uint8_t* panels, int64_t count, int64_t stride, int64_t k, int64_t m,
+                         int max_rows, const Tile& tile) {
+  const int64_t tiles = (m + max_rows - 1) / max_rows;
+  // small products run on one thread: waking the others would cost more than it saves
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kPanel * k * std::max<int64_t>(1, m)));
+  const int64_t ahead = stream_prefetch();
+  parallel_range(count, grain, [&](int64_t begin, int64_t end) {
+    const uint8_t* fetch_end = ahead ? panels + end * stride : nullptr;
+    if (ahead) prefetch_lines(panels + begin * stride, panels + begin * stride + ahead, fetch_end);
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t t = 0, row0 = 0; t < tiles; ++t) {
+        const int rows = static_cast<int>((m - row0) / (tiles - t));
+        tile(rows, p, row0, t == 0 ? fetch_end : nullptr, ahead);
+        row0 += rows;
+      }
+  });
+}
+
 // ------------------------------------------------------------------ SIMD layer
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -561,7 +587,6 @@ at::Tensor dequantize_int4(const at::Tensor& q, const at::Tensor& scales) {
 // are weights 4t..4t+3 and its high nibbles weights 16+4t..16+4t+3. One 64-byte load gives
 // two `vpdpbusd` weight operands; int32 lane j accumulates column j.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr int kPanel = 16;                        // output columns per panel
 constexpr int64_t kPanelGroupBytes = 64 + 256;    // scales, then nibbles
 constexpr int kPanelRows = 10;                    // rows per tile (the zmm budget is 32)
 // Each thread's stream of panels is fetched stream_prefetch() bytes ahead: the hardware
@@ -684,23 +709,11 @@ inline void panel_rows(int rows, const uint8_t* panel, int64_t groups, const Rou
 void matmul_panels(const uint8_t* panels, int64_t n, int64_t k, const float* x, int64_t m, float* y,
                    const float* bias, const float* residual) {
   const RoundedRows xr = round_rows(x, m, k);
-  const int64_t groups = k / kGroup, count = n / kPanel, stride = groups * kPanelGroupBytes;
-  // rows split into tiles as even as the budget allows (17 rows: 9 + 8, not 10 + 7)
-  const int64_t tiles = (m + kPanelRows - 1) / kPanelRows;
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kPanel * k * std::max<int64_t>(1, m)));
-  const int64_t ahead = stream_prefetch();
-  parallel_range(count, grain, [&](int64_t begin, int64_t end) {
-    const uint8_t* fetch_end = ahead ? panels + end * stride : nullptr;
-    if (ahead) prefetch_lines(panels + begin * stride, panels + begin * stride + ahead, fetch_end);
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t col0 = p * kPanel;
-      for (int64_t t = 0, row0 = 0; t < tiles; ++t) {
-        const int rows = static_cast<int>((m - row0) / (tiles - t));
-        panel_rows(rows, panels + p * stride, groups, xr, row0, k, y + row0 * n, n, col0, bias,
-                   residual ? residual + row0 * n : nullptr, t == 0 ? fetch_end : nullptr, ahead);
-        row0 += rows;
-      }
-    }
+  const int64_t groups = k / kGroup, stride = groups * kPanelGroupBytes;
+  for_each_panel_tile(panels, n / kPanel, stride, k, m, kPanelRows,
+                      [&](int rows, int64_t p, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
+    panel_rows(rows, panels + p * stride, groups, xr, row0, k, y + row0 * n, n, p * kPanel, bias,
+               residual ? residual + row0 * n : nullptr, fetch_end, ahead);
   });
 }
 
@@ -797,7 +810,6 @@ at::Tensor dequantize_int4_panels(const at::Tensor& panels) {
 // Each row keeps 4 float accumulators, input kk going to accumulator kk % 4, summed as
 // (a0 + a1) + (a2 + a3) at the end: the same order in every tile, so the result does not
 // depend on how many rows share the call.
-constexpr int kFloatPanel = 16;
 constexpr int kFloatPanelRows = 6;  // 4 accumulators per row: 24 of the 32 zmm registers
 
 struct PanelF32 {
@@ -865,32 +877,21 @@ void float_panel_rows(int rows, const uint8_t* panel, int64_t k, const float* x,
 template <class P>
 void matmul_float_panels(const uint8_t* panels, int64_t n, int64_t k, const float* x, int64_t m, float* y,
                          const float* bias, const float* residual) {
-  const int64_t count = n / kFloatPanel, stride = kFloatPanel * k * 4 / P::kPerLine;
-  const int64_t tiles = (m + kFloatPanelRows - 1) / kFloatPanelRows;
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kFloatPanel * k * std::max<int64_t>(1, m)));
-  const int64_t ahead = stream_prefetch();
-  parallel_range(count, grain, [&](int64_t begin, int64_t end) {
-    const uint8_t* fetch_end = ahead ? panels + end * stride : nullptr;
-    if (ahead) prefetch_lines(panels + begin * stride, panels + begin * stride + ahead, fetch_end);
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t col0 = p * kFloatPanel;
-      for (int64_t t = 0, row0 = 0; t < tiles; ++t) {
-        const int rows = static_cast<int>((m - row0) / (tiles - t));
-        float_panel_rows<P>(rows, panels + p * stride, k, x + row0 * k, y + row0 * n, n, col0, bias,
-                            residual ? residual + row0 * n : nullptr, t == 0 ? fetch_end : nullptr, ahead);
-        row0 += rows;
-      }
-    }
+  const int64_t stride = kPanel * k * 4 / P::kPerLine;
+  for_each_panel_tile(panels, n / kPanel, stride, k, m, kFloatPanelRows,
+                      [&](int rows, int64_t p, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
+    float_panel_rows<P>(rows, panels + p * stride, k, x + row0 * k, y + row0 * n, n, p * kPanel, bias,
+                        residual ? residual + row0 * n : nullptr, fetch_end, ahead);
   });
 }
 
 // x [m, k] @ W^T for W in the panel layout [n/16, k/L, 16, L] (float32, bfloat16 or float16)
 at::Tensor linear_float_panels(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
                                const c10::optional<at::Tensor>& residual) {
-  TORCH_CHECK(panels.device().is_cpu() && panels.dim() == 4 && panels.size(2) == kFloatPanel &&
+  TORCH_CHECK(panels.device().is_cpu() && panels.dim() == 4 && panels.size(2) == kPanel &&
               panels.size(3) * panels.element_size() == 4 && panels.is_contiguous(),
               "panels must be contiguous [n/16, k/L, 16, L] with L * element size = 4 bytes");
-  const int64_t n = panels.size(0) * kFloatPanel, k = panels.size(1) * panels.size(3), m = x.size(0);
+  const int64_t n = panels.size(0) * kPanel, k = panels.size(1) * panels.size(3), m = x.size(0);
   check_input(x, k, 4);
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
@@ -958,7 +959,7 @@ __attribute__((noinline)) void int8_panel_tile(const int8_t* panel, int64_t k, c
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* lines = reinterpret_cast<const uint8_t*>(panel) + g * kGroup * kFloatPanel;
+    const uint8_t* lines = reinterpret_cast<const uint8_t*>(panel) + g * kGroup * kPanel;
     const bool fetch = fetch_end && lines + ahead + 512 <= fetch_end;
     __m512i s0[R], s1[R], s2[R], s3[R], s4[R], s5[R], s6[R], s7[R];
     __m512i* sums[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
@@ -996,9 +997,9 @@ __attribute__((noinline)) void int8_panel_tile(const int8_t* panel, int64_t k, c
 at::Tensor linear_int8_panels(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scale,
                               const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
   TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == at::kChar && panels.dim() == 4 &&
-              panels.size(2) == kFloatPanel && panels.size(3) == 4 && panels.is_contiguous(),
+              panels.size(2) == kPanel && panels.size(3) == 4 && panels.is_contiguous(),
               "int8 panels must be contiguous int8 [n/16, k/4, 16, 4]");
-  const int64_t n = panels.size(0) * kFloatPanel, k = panels.size(1) * 4, m = x.size(0);
+  const int64_t n = panels.size(0) * kPanel, k = panels.size(1) * 4, m = x.size(0);
   check_input(x, k, kGroup);
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n,
               "one float32 scale per output column");
@@ -1008,30 +1009,19 @@ at::Tensor linear_int8_panels(const at::Tensor& x, const at::Tensor& panels, con
   const int8_t* w = panels.data_ptr<int8_t>();
   const float *sp = scale.data_ptr<float>(), *bp = optional_ptr(bias, n), *rp = optional_ptr(residual, m * n);
   float* yp = y.data_ptr<float>();
-  const int64_t count = n / kFloatPanel, stride = kFloatPanel * k;
-  const int64_t tiles = (m + kInt8PanelRows - 1) / kInt8PanelRows;
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kFloatPanel * k * m));
-  const int64_t ahead = stream_prefetch();
-  parallel_range(count, grain, [&](int64_t begin, int64_t end) {
-    const uint8_t* base = reinterpret_cast<const uint8_t*>(w);
-    const uint8_t* fetch_end = ahead ? base + end * stride : nullptr;
-    if (ahead) prefetch_lines(base + begin * stride, base + begin * stride + ahead, fetch_end);
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t t = 0, row0 = 0; t < tiles; ++t) {
-        const int rows = static_cast<int>((m - row0) / (tiles - t));
-        const int8_t* panel = w + p * stride;
-        float* yr = yp + row0 * n;
-        const float* rr = rp ? rp + row0 * n : nullptr;
-        const uint8_t* fe = t == 0 ? fetch_end : nullptr;
-        switch (rows) {
+  const int64_t stride = kPanel * k;
+  for_each_panel_tile(reinterpret_cast<const uint8_t*>(w), n / kPanel, stride, k, m, kInt8PanelRows,
+                      [&](int rows, int64_t p, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
+    const int8_t* panel = w + p * stride;
+    float* yr = yp + row0 * n;
+    const float* rr = rp ? rp + row0 * n : nullptr;
+    switch (rows) {
 #define VERISPEC_TILE(R) \
-  case R: int8_panel_tile<R>(panel, k, xr, row0, yr, n, p * kFloatPanel, sp, bp, rr, fe, ahead); break;
-          VERISPEC_TILE(1) VERISPEC_TILE(2) VERISPEC_TILE(3) VERISPEC_TILE(4) VERISPEC_TILE(5)
-          VERISPEC_TILE(6) VERISPEC_TILE(7) VERISPEC_TILE(8) VERISPEC_TILE(9) VERISPEC_TILE(10)
+  case R: int8_panel_tile<R>(panel, k, xr, row0, yr, n, p * kPanel, sp, bp, rr, fetch_end, ahead); return;
+      VERISPEC_TILE(1) VERISPEC_TILE(2) VERISPEC_TILE(3) VERISPEC_TILE(4) VERISPEC_TILE(5)
+      VERISPEC_TILE(6) VERISPEC_TILE(7) VERISPEC_TILE(8) VERISPEC_TILE(9) VERISPEC_TILE(10)
 #undef VERISPEC_TILE
-        }
-        row0 += rows;
-      }
+    }
   });
   return y;
 }
