@@ -157,9 +157,9 @@ inline void parallel_range(int64_t n, int64_t grain, const std::function<void(in
 }
 
 // How far ahead a sequential stream of weights is fetched into the cache, 20 KB unless
-// `set_stream_prefetch` changes it (0: none, the hardware prefetcher alone). Memory latency
-// is long on the machines this was tuned on: fetching 8 KB ahead still left one core well
-// short of a plain sum of the same bytes, 16-32 KB matched it.
+// `set_stream_prefetch` changes it (0: none, the hardware prefetcher alone). Without it the
+// int8 and int4 panels read a tenth less than with it; `benchmarks/weight_streams.py
+// --prefetch` compares distances.
 std::atomic<int64_t> g_stream_prefetch{20 * 1024};
 inline int64_t stream_prefetch() { return g_stream_prefetch.load(std::memory_order_relaxed); }
 void set_stream_prefetch(int64_t bytes) {
