@@ -436,6 +436,38 @@ def test_weight_cache_round_trip(tmp_path, monkeypatch, fmt):
     assert all(torch.equal(t, model.state_dict()[n]) for n, t in first.model.state_dict().items())
 
 
+
+@needs_float_panels
+def test_tied_float_output_layer_holds_the_only_copy_of_the_table(tmp_path, monkeypatch):
+    from verispec.loading import weight_cache
+    from verispec.quant import TiedEmbedding
+
+    monkeypatch.setattr(weight_cache, "MIN_FILE_BYTES", 0)
+    monkeypatch.setenv("VERISPEC_CACHE_DIR", str(tmp_path / "cache"))
+    ref = tiny.save_hf_model(tmp_path / "hf", "qwen2", seed=4, tie_word_embeddings=True, vocab_size=272)  # 17 panels
+    tiny.write_gguf(tmp_path / "model.gguf", ref, "qwen2")
+    first = load_model(tmp_path / "model.gguf", weights="float32")
+    model = first.model
+    table = model.model.embed_tokens.weight.clone()
+    a = generate(first, PROMPT, max_tokens=12, ignore_eos=True)
+    assert model.lm_head.panels is not None and model.lm_head.weight is None  # the head runs its panels
+    ids = torch.tensor([[0, 5, 17, table.shape[0] - 1], [3, 3, 16, 31]])
+    assert torch.equal(model.model.embed_tokens(ids), table[ids])  # rows read from the panels
+    assert torch.equal(model.model.embed_tokens.weight, table)
+    held = {t.data_ptr(): t.numel() * t.element_size()
+            for n, t in list(model.named_parameters()) + list(model.named_buffers()) if "rope" not in n}
+    assert sum(held.values()) == weight_bytes(model)  # no second copy of the table
+    second = load_model(tmp_path / "model.gguf", weights="float32")  # from the cache
+    assert second.info.get("gguf_metadata_keys", 0) == 0
+    assert isinstance(second.model.model.embed_tokens, TiedEmbedding)
+    assert generate(second, PROMPT, max_tokens=12, ignore_eos=True).token_ids == a.token_ids
+    kernels.set_enabled(False)
+    try:  # the plain PyTorch path over the same table gives the same tokens
+        plain = load_model(tmp_path / "hf", weights="float32")
+        assert generate(plain, PROMPT, max_tokens=12, ignore_eos=True).token_ids == a.token_ids
+    finally:
+        kernels.set_enabled(True)
+
 def test_gpu_benchmark_runs_on_the_cpu_at_toy_sizes(tmp_path):
     out = tmp_path / "gpu.json"
     completed = subprocess.run(

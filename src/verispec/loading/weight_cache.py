@@ -129,8 +129,11 @@ def load(entry: Path) -> tuple[nn.Module, ModelConfig, Tokenizer] | None:
         cls = getattr(quant, kind)
         prefix = f"{name}."
         setattr(parent, attr, cls(*(tensors[prefix + field] for field in cls.STORED), tensors.get(prefix + "bias")))
+    if "model.embed_tokens.weight" not in tensors:  # stored once, in the output layer
+        quant.share_tied_embedding(model)
     try:
         model.load_state_dict(tensors, strict=True, assign=True)
     except RuntimeError:
         return None
     return model, config, tokenizer
+

@@ -57,10 +57,16 @@ class CausalLM(nn.Module):
         self.rope_cos = self.rope_sin = None
         self.fast_path = None  # verispec.fast attaches a lean forward for packed weights
 
+    def table(self) -> torch.Tensor:
+        """The tensor the embedding table lives in, for its type and device (a tied float
+        output layer may hold it in panels, which are not to be rebuilt for that)."""
+        embedding = self.model.embed_tokens
+        return embedding.weight if isinstance(embedding, nn.Embedding) else embedding.stored
+
     # -- cache
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         self.ensure_rope(max_len)
-        ref = self.model.embed_tokens.weight
+        ref = self.table()
         c = self.config
         dtype = ref.dtype if ref.dtype.is_floating_point else torch.float32
         if self.fast_path is not None:
@@ -69,7 +75,7 @@ class CausalLM(nn.Module):
                        batch, dtype, ref.device)
 
     def ensure_rope(self, max_len: int) -> None:
-        device = self.model.embed_tokens.weight.device
+        device = self.table().device
         if max_len > self._rope_len or self.rope_cos.device != device:
             cos, sin = rope_tables(self.config, max_len)
             self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)

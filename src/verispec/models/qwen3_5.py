@@ -235,7 +235,7 @@ class HybridCausalLM(ExpertAccounting, CausalLM):
     # -- cache
     def new_cache(self, max_len: int, batch: int = 1) -> HybridCache:
         self.ensure_rope(max_len)
-        ref = self.model.embed_tokens.weight
+        ref = self.table()
         dtype = ref.dtype if ref.dtype.is_floating_point else torch.float32
         c = self.config
         return HybridCache(self.kinds.count(FULL), c.num_key_value_heads, c.head_dim, self.kinds.count(LINEAR),
@@ -248,7 +248,7 @@ class HybridCausalLM(ExpertAccounting, CausalLM):
     # -- what the lab reads
     def state_bytes(self, batch: int = 1) -> int:
         """Bytes of recurrent and conv state one pass reads (and writes back), for `batch` sequences."""
-        element = self.model.embed_tokens.weight.element_size()
+        element = self.table().element_size()
         return self.kinds.count(LINEAR) * self.shape.state_bytes(element, batch)
 
     # -- loading
