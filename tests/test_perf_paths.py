@@ -425,6 +425,8 @@ def test_weight_cache_round_trip(tmp_path, monkeypatch, fmt):
     assert list((tmp_path / "cache").glob("*.safetensors"))
     second = load_model(tmp_path / "model.gguf", weights=fmt)
     assert second.info.get("gguf_metadata_keys", 0) == 0  # came from the cache, not the file
+    # no tensor points into the entry's memory map, so it is closed (its pages leave the resident set)
+    assert str(tmp_path / "cache") not in Path("/proc/self/maps").read_text()
     a = generate(first, PROMPT, max_tokens=12, ignore_eos=True)
     b = generate(second, PROMPT, max_tokens=12, ignore_eos=True)
     assert a.token_ids == b.token_ids
