@@ -439,6 +439,16 @@ def test_weight_cache_round_trip(tmp_path, monkeypatch, fmt):
 
 
 
+
+@needs_kernels
+def test_a_packed_model_keeps_no_weight_file_mapped(tmp_path):
+    ref = tiny.save_hf_model(tmp_path, "qwen2", seed=2)
+    loaded = load_model(tmp_path)  # float32, packed for the kernels
+    # its tensors were views of the memory-mapped safetensors file: copied out, the map closed
+    assert str(tmp_path) not in Path("/proc/self/maps").read_text()
+    with torch.no_grad():
+        assert torch.equal(loaded.model.model.embed_tokens.weight, ref.model.embed_tokens.weight)
+
 @needs_float_panels
 def test_tied_float_output_layer_holds_the_only_copy_of_the_table(tmp_path, monkeypatch):
     from verispec.loading import weight_cache

@@ -63,8 +63,7 @@ class FastPath:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.stack = None  # the kernels' DecoderStack, bound on first use
-        self.final_norm = model.model.norm.weight.detach().float()
+        self.stack = self.head = self.final_norm = None  # bound to the model's tensors on first use
         self.final_eps = model.model.norm.eps
         self.hidden = model.config.hidden_size
 
@@ -94,6 +93,7 @@ class FastPath:
         if self.stack is None:
             self.stack = kernels.DecoderStack([_decoder_layer(layer, kernels) for layer in self.model.model.layers])
             self.head = self.model.lm_head.bound_kernel(kernels)
+            self.final_norm = self.model.model.norm.weight.detach().float()
         model, start, length = self.model, cache.length, tokens.shape[1]
         if start + length > cache.max_len:
             raise ContextOverflowError(

@@ -40,17 +40,22 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_state(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """All tensors, memory-mapped by safetensors and cast to dtype only where they differ."""
+def load_state(folder: Path, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], set[int]]:
+    """All tensors, memory-mapped by safetensors and cast to dtype only where they differ;
+    and the storages (data pointers) of the tensors that still live in the files' maps."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
+    mapped: set[int] = set()
     for file in weight_files(folder):
         try:
             tensors = load_file(str(file))
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             raise CorruptModelError(f"{file}: corrupt or truncated safetensors file ({exc})") from None
         for name, value in tensors.items():
-            state[name] = value.to(dtype) if value.is_floating_point() else value
-    return state
+            kept = value.to(dtype) if value.is_floating_point() else value
+            if kept is value:
+                mapped.add(value.untyped_storage().data_ptr())
+            state[name] = kept
+    return state, mapped
