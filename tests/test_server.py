@@ -201,7 +201,11 @@ def test_chat_stream_deltas(client, target):
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == expected.text
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert chunks[-1]["verispec"]["tokens_per_s"] >= 0
+    stats = chunks[-1]["verispec"]
+    assert stats["decode_s"] > 0 and stats["tokens_per_s"] > 0
+    # the rate counts the 11 tokens after the first; decode_s is rounded to 4 places, tokens_per_s to 2
+    slowest, fastest = 11 / (stats["decode_s"] + 5e-5), 11 / max(stats["decode_s"] - 5e-5, 1e-9)
+    assert slowest - 0.005 <= stats["tokens_per_s"] <= fastest + 0.005
 
 
 def test_seeded_sampling_repeats(client):
@@ -209,6 +213,17 @@ def test_seeded_sampling_repeats(client):
     first = client.post("/v1/completions", json=request).json()["choices"][0]["text"]
     second = client.post("/v1/completions", json=request).json()["choices"][0]["text"]
     assert first == second
+
+
+def test_seed_range_is_what_torch_accepts():
+    from verispec.errors import VerispecError
+    from verispec.sampling import SEED_MAX, SEED_MIN, SamplingParams
+
+    for seed in (SEED_MIN, -1, 0, SEED_MAX):
+        SamplingParams(temperature=1.0, seed=seed).generator()
+    for seed in (SEED_MIN - 1, SEED_MAX + 1, 99999999999999999999999):
+        with pytest.raises(VerispecError, match=f"seed must be an integer from {SEED_MIN} to {SEED_MAX}"):
+            SamplingParams(temperature=1.0, seed=seed)
 
 
 # ---------------------------------------------------------------- speculative
@@ -306,6 +321,9 @@ def assert_error(response, status: int, *fragments: str) -> dict:
     ({"prompt": PROMPT, "temperature": -0.1}, ["temperature"], "temperature"),
     ({"prompt": PROMPT, "top_p": 0}, ["top_p", "greater than 0"], "top_p"),
     ({"prompt": PROMPT, "n": 2}, ["only n=1"], "n"),
+    ({"prompt": PROMPT, "seed": 99999999999999999999999}, ["seed", "less than or equal to 18446744073709551615"],
+     "seed"),
+    ({"prompt": PROMPT, "seed": -(2**63) - 1}, ["seed", "greater than or equal to -9223372036854775808"], "seed"),
     ({"prompt": PROMPT, "logprobs": 5}, ["logprobs", "not supported"], None),
     ({"prompt": PROMPT, "presence_penalty": 0.5}, ["presence_penalty", "not supported"], None),
     ({"prompt": [PROMPT, PROMPT]}, ["one prompt per request"], "prompt"),
@@ -317,6 +335,14 @@ def assert_error(response, status: int, *fragments: str) -> dict:
 def test_bad_completion_requests(client, body, fragments, param):
     error = assert_error(client.post("/v1/completions", json=body), 400, *fragments)
     assert error["param"] == param
+
+
+def test_huge_seed_is_a_400_before_a_stream_starts(client):
+    for url, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": MESSAGES})):
+        for stream in (False, True):
+            request = {**body, "max_tokens": 2, "temperature": 1, "seed": 99999999999999999999999, "stream": stream}
+            error = assert_error(client.post(url, json=request), 400, "seed", "18446744073709551615")
+            assert error["param"] == "seed"
 
 
 def test_neutral_values_of_unsupported_options_are_accepted(client):
@@ -335,10 +361,12 @@ def test_bodies_that_are_not_a_json_object(client):
                  "Content-Type: application/json")
 
 
-def test_json_without_a_content_type_is_read(client):
-    response = client.post("/v1/completions", content=json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode())
+def test_json_without_a_content_type_is_read(client, target):
+    body = {"prompt": PROMPT, "max_tokens": 2, "ignore_eos": True}
+    response = client.post("/v1/completions", content=json.dumps(body).encode())
     assert response.status_code == 200
-    assert response.json()["usage"]["completion_tokens"] <= 2
+    assert response.json()["usage"]["prompt_tokens"] == len(target.tokenizer.encode(PROMPT))
+    assert response.json()["usage"]["completion_tokens"] == 2
 
 
 def test_prompt_longer_than_the_context(client):
@@ -376,9 +404,13 @@ def test_unknown_endpoint_and_method(client):
 
 
 def test_server_still_answers_after_errors(client):
-    client.post("/v1/completions", json={"prompt": PROMPT, "n": 3})
-    client.post("/v1/completions", json={"prompt": "x" * 500, "stream": True})
-    assert client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}).status_code == 200
+    assert_error(client.post("/v1/completions", json={"prompt": PROMPT, "n": 3}), 400, "only n=1")
+    error = assert_error(client.post("/v1/completions", json={"prompt": "x" * 500, "stream": True}), 400,
+                         "maximum context length")
+    assert error["code"] == "context_length_exceeded"
+    response = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] == 3
 
 
 # ---------------------------------------------------------------- one request at a time

@@ -12,6 +12,9 @@ import torch
 
 from verispec.errors import VerispecError
 
+# torch.Generator.manual_seed takes any integer that fits in 64 bits, signed or unsigned
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -27,6 +30,8 @@ class SamplingParams:
             raise VerispecError(f"top-k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise VerispecError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise VerispecError(f"seed must be an integer from {SEED_MIN} to {SEED_MAX}, got {self.seed}")
 
     @property
     def greedy(self) -> bool:

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from verispec.sampling import SEED_MAX, SEED_MIN
+
 # field -> the values that ask for nothing beyond plain decoding
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
@@ -51,7 +53,7 @@ class DecodingRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)  # vLLM's extension; 0 or -1 turns it off
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     n: int | None = None
     stream: bool = False
