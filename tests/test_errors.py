@@ -114,6 +114,8 @@ def test_generation_stops_at_the_context_end(folder):
     (["--top-p", "1.5"], "--top-p"),
     (["--max-tokens", "0"], "--max-tokens"),
     (["--gamma", "x"], "--gamma"),
+    (["--draft", "ngram", "--gamma", "0"], "--gamma"),  # drafting nothing is not speculation
+    (["--draft", "ngram", "--gamma", "33"], "--gamma"),
     (["--weights", "int3"], "--weights"),
 ])
 def test_bad_option_values(folder, capsys, argv, message):
@@ -127,3 +129,72 @@ def test_bad_dtype_and_device(folder):
         load_model(folder, dtype="float8")
     with pytest.raises(VerispecError, match="device"):
         load_model(folder, device="tpu")
+    for device in ("mps", "meta"):  # real torch devices the engine does not run on
+        with pytest.raises(VerispecError, match=f"unknown device '{device}'; use cpu or cuda"):
+            load_model(folder, device=device)
+
+
+def _copy_of(folder, tmp_path):
+    import shutil
+    copy = tmp_path / "model"
+    shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("*.gguf"))
+    return copy
+
+
+@pytest.mark.parametrize("config,message", [
+    ({}, "no vocab_size, hidden_size, num_hidden_layers, num_attention_heads"),
+    ([1, 2], "expected a JSON object"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be a positive whole number"),
+    ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads"),
+])
+def test_broken_config_json_is_named(folder, tmp_path, capsys, config, message):
+    copy = _copy_of(folder, tmp_path)
+    raw = json.loads((copy / "config.json").read_text())
+    changed = config if not isinstance(config, dict) or not config else {**raw, **config}
+    (copy / "config.json").write_text(json.dumps(changed))
+    with pytest.raises(CorruptModelError, match=message):
+        load_model(copy)
+    code, _, err = run_cli(capsys, "generate", "--model", str(copy), "-n", "2", "hi")
+    assert code == 1 and "config.json" in err and message.split(",")[0] in err
+
+
+def test_broken_tokenizer_config_is_named(folder, tmp_path):
+    copy = _copy_of(folder, tmp_path)
+    (copy / "tokenizer_config.json").write_text("{bad")
+    with pytest.raises(CorruptModelError, match="tokenizer_config.json: invalid JSON"):
+        load_model(copy)
+
+
+def test_gguf_without_required_metadata_is_named(tmp_path):
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(tmp_path / "no-heads.gguf"), "qwen2")
+    writer.add_block_count(1)
+    writer.add_embedding_length(64)
+    tiny.add_gguf_tokenizer(writer)
+    writer.add_tensor("token_embd.weight", np.zeros((262, 64), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CorruptModelError, match="no qwen2.attention.head_count in the GGUF metadata"):
+        load_model(tmp_path / "no-heads.gguf")
+
+
+def test_broken_chat_template_is_one_line(folder, tmp_path, capsys):
+    from verispec.errors import VerispecError
+    copy = _copy_of(folder, tmp_path)
+    settings = json.loads((copy / "tokenizer_config.json").read_text())
+    settings["chat_template"] = "{% for m in messages %}{{ m.content "
+    (copy / "tokenizer_config.json").write_text(json.dumps(settings))
+    with pytest.raises(VerispecError, match="chat template failed"):
+        load_model(copy).tokenizer.encode_chat([{"role": "user", "content": "hi"}])
+    code, _, err = run_cli(capsys, "generate", "--model", str(copy), "--chat", "-n", "2", "hi")
+    assert code == 1 and "chat template failed" in err
+
+
+def test_seed_out_of_range_is_one_line(folder, capsys):
+    code, _, err = run_cli(capsys, "generate", "--model", str(folder), "-t", "1", "--seed",
+                           "99999999999999999999999", "-n", "2", "hi")
+    assert code == 1 and "seed must be an integer from" in err

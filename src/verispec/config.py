@@ -6,6 +6,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from verispec.errors import CorruptModelError
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CorruptModelError(f"{name} must be a positive whole number, not {value!r}")
+
 
 @dataclass
 class ModelConfig:
@@ -41,10 +48,17 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+            _check_positive(name, getattr(self, name))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+        _check_positive("num_key_value_heads", self.num_key_value_heads)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise CorruptModelError(f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                                    f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        _check_positive("head_dim", self.head_dim)
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -92,6 +106,11 @@ class ModelConfig:
         if "num_experts" in data and model_type == "qwen2_moe":
             kwargs.setdefault("norm_topk_prob", data.get("norm_topk_prob", False))
         kwargs["model_type"] = model_type
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [name for name in required if name not in kwargs]
+        if missing:
+            raise CorruptModelError(f"no {', '.join(missing)} in the model's settings")
         extra = {k: v for k, v in data.items() if k not in names}
         return cls(**kwargs, extra=extra)
 

@@ -53,6 +53,16 @@ def add_slack_option(parser: argparse.ArgumentParser) -> None:
                         help="timing noise allowed above a physical bound before a result is IMPOSSIBLE")
 
 
+def draft_length(text: str) -> int:
+    """γ for the command line: 1..MAX_GAMMA (0 would draft nothing and only look speculative)."""
+    from verispec.generate import MAX_GAMMA
+
+    value = positive_int(text)
+    if value > MAX_GAMMA:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_GAMMA} drafted tokens per round, got {value}")
+    return value
+
+
 def add_model_options(parser: argparse.ArgumentParser, draft: bool = True) -> None:
     parser.add_argument("--model", "-m", required=True,
                         help="target model: a demo name (see `verispec models`), a GGUF file or a HF folder")
@@ -65,7 +75,8 @@ def add_model_options(parser: argparse.ArgumentParser, draft: bool = True) -> No
                             help="draft model (name or path), or 'ngram' for prompt lookup")
         parser.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=None,
                             help="weight format of the draft model")
-        parser.add_argument("--gamma", "-g", type=non_negative_int, default=4, help="tokens drafted per round")
+        parser.add_argument("--gamma", "-g", type=draft_length, default=4,
+                            help="tokens drafted per round")
         parser.add_argument("--adaptive", nargs="?", const="cost", choices=["cost", "heuristic"], default=False,
                             help="choose γ each round: 'cost' (default; from measured acceptance and costs, "
                                  "falls back to plain decoding) or 'heuristic' (+2 on full accept, -1 otherwise)")

@@ -127,10 +127,13 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
         if dtype not in DTYPES:
             raise VerispecError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
+    asked = device
     try:
         device = torch.device(device)
     except RuntimeError:
-        raise VerispecError(f"unknown device {device!r}; use cpu or cuda") from None
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):  # the engine runs on these two
+        raise VerispecError(f"unknown device {str(asked)!r}; use cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise VerispecError("--device cuda was asked for, but no CUDA device is available")
     path = resolve(spec)

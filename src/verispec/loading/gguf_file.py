@@ -113,8 +113,16 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], vocab_row
     def get(key: str, default=None):
         return meta.get(f"{arch}.{key}", default)
 
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
+    def required(key: str) -> int:
+        value = get(key)
+        if value is None:
+            raise CorruptModelError(f"no {arch}.{key} in the GGUF metadata")
+        return int(value)
+
+    heads = required("attention.head_count")
+    hidden = required("embedding_length")
+    if heads <= 0:
+        raise CorruptModelError(f"{arch}.attention.head_count must be positive, not {heads}")
     head_dim = get("attention.key_length") or hidden // heads
     rope_dim = get("rope.dimension_count") or head_dim
     scaling = None
@@ -123,7 +131,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], vocab_row
         scaling = {"rope_type": kind, "factor": float(get("rope.scaling.factor", 1.0))}
         if get("rope.scaling.original_context_length"):
             scaling["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
-    layers = int(get("block_count"))
+    layers = required("block_count")
     kwargs: dict[str, Any] = dict(
         model_type=family,
         vocab_size=vocab_rows,
@@ -147,7 +155,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], vocab_row
     if get("expert_count"):
         kwargs.update(
             num_experts=int(get("expert_count")),
-            num_experts_per_tok=int(get("expert_used_count")),
+            num_experts_per_tok=required("expert_used_count"),
             # Mixtral (llama with experts) has no expert width of its own: its experts are the FFN
             moe_intermediate_size=int(get("expert_feed_forward_length", 0) or 0) or kwargs["intermediate_size"],
             shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length", 0) or 0),
@@ -193,7 +201,10 @@ def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embed is None:
         raise CorruptModelError(f"{path}: no token_embd.weight tensor")
-    config = config_from_metadata(meta, names, int(embed.shape[1]))
+    try:
+        config = config_from_metadata(meta, names, int(embed.shape[1]))
+    except CorruptModelError as exc:
+        raise CorruptModelError(f"{path}: {exc}") from None
     state: dict[str, torch.Tensor] = {}
     quantized: dict[str, Any] = {}
     permute = config.model_type in ("llama", "mistral", "mixtral")  # the 'llama' architecture

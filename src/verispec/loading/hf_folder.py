@@ -19,7 +19,12 @@ def read_config(folder: Path) -> tuple[ModelConfig, dict]:
         raise VerispecError(f"{folder}: no config.json, so this is not a Hugging Face model folder") from None
     except json.JSONDecodeError as exc:
         raise CorruptModelError(f"{path}: invalid JSON ({exc})") from None
-    return ModelConfig.from_hf(raw), raw
+    if not isinstance(raw, dict):
+        raise CorruptModelError(f"{path}: expected a JSON object of settings, found {type(raw).__name__}")
+    try:
+        return ModelConfig.from_hf(raw), raw
+    except CorruptModelError as exc:
+        raise CorruptModelError(f"{path}: {exc}") from None
 
 
 def weight_files(folder: Path) -> list[Path]:

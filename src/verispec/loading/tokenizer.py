@@ -13,6 +13,17 @@ from tokenizers import Tokenizer as BackendTokenizer
 from verispec.errors import CorruptModelError, VerispecError
 
 
+try:
+    from jinja2.exceptions import TemplateError as _JinjaTemplateError
+except ImportError:  # jinja2 is a dependency; without it no chat template renders anyway
+    _JinjaTemplateError = Exception
+
+
+class ChatTemplateError(VerispecError, _JinjaTemplateError):
+    """A chat template that does not parse, or that refuses the messages: a user-facing error,
+    and still a jinja2 TemplateError for code that catches those."""
+
+
 class Tokenizer:
     def __init__(self, backend: BackendTokenizer, eos_ids: set[int], bos_token: str | None = None,
                  eos_token: str | None = None, chat_template: str | None = None,
@@ -61,9 +72,12 @@ class Tokenizer:
         env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent, ensure_ascii=False)
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        template = env.from_string(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        try:
+            template = env.from_string(self.chat_template)
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateError as exc:
+            raise ChatTemplateError(f"the model's chat template failed: {exc}") from None
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         return self.encode(self.render_chat(messages), add_special_tokens=False)
@@ -84,8 +98,14 @@ def from_hf_folder(folder: Path, config_eos: set[int]) -> Tokenizer:
     except Exception as exc:
         raise CorruptModelError(f"{path}: unreadable tokenizer ({exc})") from None
     settings: dict[str, Any] = {}
-    if (folder / "tokenizer_config.json").is_file():
-        settings = json.loads((folder / "tokenizer_config.json").read_text())
+    settings_path = folder / "tokenizer_config.json"
+    if settings_path.is_file():
+        try:
+            settings = json.loads(settings_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CorruptModelError(f"{settings_path}: invalid JSON ({exc})") from None
+        if not isinstance(settings, dict):
+            raise CorruptModelError(f"{settings_path}: expected a JSON object of settings")
     template = settings.get("chat_template")
     if (folder / "chat_template.jinja").is_file():
         template = (folder / "chat_template.jinja").read_text()
