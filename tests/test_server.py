@@ -398,6 +398,16 @@ def test_chat_without_a_template_is_a_clear_400():
     assert_error(response, 400, "no chat template", "/v1/completions")
 
 
+@pytest.mark.parametrize("template", [
+    "{% for m in messages %}{{ m.content ",  # does not parse
+    "{{ raise_exception('system messages are not supported') }}",  # refuses the messages
+])
+def test_a_failing_chat_template_is_a_clear_400(template):
+    model = tiny_model(byte_tokenizer(chat_template=template))
+    response = TestClient(create_app(model)).post("/v1/chat/completions", json={"messages": MESSAGES})
+    assert_error(response, 400, "chat template failed on these messages")
+
+
 def test_unknown_endpoint_and_method(client):
     assert_error(client.get("/v1/engines"), 404, "no such endpoint", "/v1/chat/completions")
     assert_error(client.get("/v1/completions"), 405, "GET is not allowed")

@@ -13,15 +13,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 from verispec.errors import CorruptModelError, VerispecError
 
 
-try:
-    from jinja2.exceptions import TemplateError as _JinjaTemplateError
-except ImportError:  # jinja2 is a dependency; without it no chat template renders anyway
-    _JinjaTemplateError = Exception
-
-
-class ChatTemplateError(VerispecError, _JinjaTemplateError):
-    """A chat template that does not parse, or that refuses the messages: a user-facing error,
-    and still a jinja2 TemplateError for code that catches those."""
+class ChatTemplateError(VerispecError):
+    """A chat template that does not parse, or that refuses the messages (raise_exception)."""
 
 
 class Tokenizer:
@@ -77,7 +70,7 @@ class Tokenizer:
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except TemplateError as exc:
-            raise ChatTemplateError(f"the model's chat template failed: {exc}") from None
+            raise ChatTemplateError(f"the model's chat template failed on these messages: {exc}") from None
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         return self.encode(self.render_chat(messages), add_special_tokens=False)

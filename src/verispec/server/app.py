@@ -83,12 +83,7 @@ class Engine:
         tokenizer = self.target.tokenizer
         if not tokenizer.chat_template:
             raise VerispecError(f"{self.name} has no chat template; use /v1/completions with a plain prompt")
-        from jinja2.exceptions import TemplateError
-
-        try:
-            prompt_ids = tokenizer.encode_chat([m.for_template() for m in request.messages])
-        except TemplateError as exc:
-            raise VerispecError(f"the model's chat template refused these messages: {exc}") from None
+        prompt_ids = tokenizer.encode_chat([m.for_template() for m in request.messages])  # may raise ChatTemplateError
         max_tokens = request.max_completion_tokens or request.max_tokens or self.context_size
         return self._job(prompt_ids, max_tokens, request)
 
