@@ -459,3 +459,102 @@ def test_demo_end_to_end_on_tiny_models(models, prompt_file, tmp_path, capsys, c
     rows = report.summarize(records)
     assert {r.proposer for r in rows} == {str(models / "same"), "ngram"}
     assert code == 0 and all(r.verdict.status == audit.VALID for r in rows)
+
+
+# ---------------------------------------------------------------- CLI: bad input, one line, nothing lost
+
+
+def run_cli_lines(capsys, *argv) -> tuple[int, str, list[str]]:
+    """Exit code, standard output and the lines of standard error; never a traceback."""
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exc:  # argparse exits for bad option values
+        code = exc.code
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return code, out, err.strip().splitlines()
+
+
+def assert_one_line_error(code: int, err: list[str], *fragments: str) -> None:
+    assert code == 1 and len(err) == 1 and err[0].startswith("verispec: error: ")
+    assert all(fragment in err[0] for fragment in fragments), err[0]
+
+
+@pytest.mark.parametrize("bad_option, message", [
+    (["--gamma", "33"], "expected a number from 1 to 32, got 33"),
+    (["--ngram", "1", "3"], "MIN <= MAX"),
+])
+def test_bench_refuses_a_bad_option_before_touching_the_results_file(models, prompt_file, tmp_path, capsys,
+                                                                    monkeypatch, bad_option, message):
+    monkeypatch.setattr("verispec.lab.bench.load_for_bench", lambda *a, **k: pytest.fail("no model should load"))
+    out = tmp_path / "keep.jsonl"
+    out.write_text('{"precious": 1}\n')
+    code, _, err = run_cli_lines(capsys, "bench", "-m", models / "target", "-d", "ngram", "-p", prompt_file,
+                                 "--limit", "1", "-n", "2", "-r", "1", "--out", out, *bad_option)
+    assert code in (1, 2) and err[0].startswith("verispec: error: ") and message in err[0]
+    assert out.read_text() == '{"precious": 1}\n'
+
+
+def test_bench_out_naming_a_folder_is_an_error_before_loading(models, prompt_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("verispec.lab.bench.load_for_bench", lambda *a, **k: pytest.fail("no model should load"))
+    code, _, err = run_cli_lines(capsys, "bench", "-m", models / "target", "-d", "ngram", "-p", prompt_file,
+                                 "--limit", "1", "--out", tmp_path)
+    assert_one_line_error(code, err, str(tmp_path), "is a folder")
+
+
+def test_bench_appends_to_an_existing_results_file_and_resumes(models, prompt_file, tmp_path, capsys, clock):
+    out = tmp_path / "runs.jsonl"
+    out.write_text('{"precious": 1}')  # a record without its final newline is a record all the same
+    argv = ["bench", "-m", models / "target", "-d", "ngram", "-g", "2", "3", "-p", prompt_file, "--limit", "1",
+            "-n", "4", "-r", "1", "--no-warmup", "--out", out]
+    code, _, _ = run_cli_lines(capsys, *argv)
+    records = read_records(out)
+    assert code == 0 and records[0] == {"precious": 1} and len(records) == 1 + 3
+    code, text, _ = run_cli_lines(capsys, *argv)
+    assert code == 0 and read_records(out) == records and "reused" in text
+    code, _, _ = run_cli_lines(capsys, *argv, "--restart")
+    assert code == 0 and len(read_records(out)) == 3 and {"precious": 1} not in read_records(out)
+
+
+def test_audit_cli_shows_a_zero_baseline_as_invalid(tmp_path, capsys):
+    path = tmp_path / "a1.csv"
+    path.write_text("baseline_tok_s,spec_tok_s,gamma,acceptance\n0,10,4,0.5\n")
+    code, out, err = run_cli_lines(capsys, "audit", path)
+    assert code == 1 and not err and "INVALID" in out
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("a2.jsonl", b"[1,2]\n", ":1: not a JSON object"),
+    ("a3.jsonl", b'{"gamma": 4}\n{"gamma": "\xff"}\n', ":2: not UTF-8"),
+    ("a3.csv", b"baseline_tok_s,spec_tok_s,gamma,acceptance\n10,12,4,0.5\xff\n", ":2: not UTF-8"),
+    ("a4.csv", b"baseline_tok_s,spec_tok_s,gamma,acceptance\n10,12,4,0.5,9\n", ":2: more values than the header"),
+])
+def test_audit_cli_names_the_file_and_line_of_an_unreadable_row(tmp_path, capsys, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    code, _, err = run_cli_lines(capsys, "audit", path)
+    assert_one_line_error(code, err, f"{path}{message}")
+
+
+def test_report_of_a_results_file_without_suffix_writes_beside_it(tmp_path, capsys):
+    records = [fake_run("1", 0, 10.0), fake_run("1", 0, 15.0, "d", 4, accepted=4, drafted=8)]
+    path = tmp_path / "runs"
+    RecordWriter(path).write_all(records)
+    code, _, _ = run_cli_lines(capsys, "report", path)
+    assert code == 0 and (tmp_path / "runs-report" / "results.md").is_file()
+    assert read_records(path) == records
+    code, _, err = run_cli_lines(capsys, "report", path, "--out", path)
+    assert_one_line_error(code, err, "a file is in the way")
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"a": 1}', "no field 'target'"),
+    ("[1, 2]", "not a JSON object"),
+    ('{"target": "t", "weights": "w", "prompt_set": "p", "prompt_id": "1", "proposer": "baseline", "gamma": 0, '
+     '"tok_s": "fast", "completion_tokens": 9}', "field 'tok_s' holds text, expected a number"),
+])
+def test_report_names_the_file_and_line_of_a_record_that_is_not_a_run(tmp_path, capsys, line, message):
+    path = tmp_path / "r1.jsonl"
+    path.write_text(json.dumps(fake_run("1", 0, 10.0)) + "\n" + line + "\n")
+    code, _, err = run_cli_lines(capsys, "report", path, "--out", tmp_path / "out")
+    assert_one_line_error(code, err, f"{path}:2: {message}")

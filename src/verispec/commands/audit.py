@@ -20,7 +20,7 @@ def run(args) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from verispec.lab.audit import IMPOSSIBLE, audit_row, read_rows
+    from verispec.lab.audit import IMPOSSIBLE, audit_row, read_rows, reported_speedup
 
     console = Console(highlight=False)
     rows = read_rows(args.file)
@@ -30,9 +30,10 @@ def run(args) -> int:
         verdict = audit_row(row, name, args.slack)
         failed += not verdict.valid
         style = "green" if verdict.valid else ("bold red" if verdict.status == IMPOSSIBLE else "red")
-        speedup = float(row["spec_tok_s"]) / float(row["baseline_tok_s"])
+        speedup = reported_speedup(row)
+        ratio = "speed-up undefined" if speedup is None else f"{speedup:.2f}x"
         console.print(f"{escape(name)}: γ = {row['gamma']}, {row['baseline_tok_s']} → {row['spec_tok_s']} tok/s "
-                      f"({speedup:.2f}x) at acceptance {row['acceptance']}: [{style}]{verdict.status}[/{style}]")
+                      f"({ratio}) at acceptance {row['acceptance']}: [{style}]{verdict.status}[/{style}]")
         console.print(f"  {escape(verdict.reason)}", style="dim" if verdict.valid else None)
     if failed:
         console.print(f"[bold red]{failed} of {len(rows)} row(s) fail the audit[/bold red]")

@@ -59,7 +59,7 @@ def draft_length(text: str) -> int:
 
     value = positive_int(text)
     if value > MAX_GAMMA:
-        raise argparse.ArgumentTypeError(f"expected at most {MAX_GAMMA} drafted tokens per round, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a number from 1 to {MAX_GAMMA}, got {value}")
     return value
 
 

@@ -19,6 +19,7 @@ may exceed a bound by `slack` (timing noise) before they are called impossible.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -26,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from verispec.errors import VerispecError
+from verispec.lab.records import read_text
 
 VALID = "VALID"
 TIE = "VALID (tie)"
@@ -190,17 +192,37 @@ def read_rows(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise VerispecError(f"no file at {str(path)!r}")
+    text = read_text(path)
     if path.suffix.lower() == ".csv":
-        with open(path, newline="", encoding="utf-8") as f:
-            return [row for row in csv.DictReader(f) if any((v or "").strip() for v in row.values())]
+        return _csv_rows(path, text)
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
-                raise VerispecError(f"{path}:{number}: not a JSON object (expected CSV or JSONL)") from None
+                row = None
+            if not isinstance(row, dict):
+                raise VerispecError(f"{path}:{number}: not a JSON object (expected CSV or JSONL)")
+            rows.append(row)
     return rows
+
+
+def _csv_rows(path: Path, text: str) -> list[dict]:
+    rows = []
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    for row in reader:
+        if None in row:  # DictReader files values beyond the header under the key None
+            raise VerispecError(f"{path}:{reader.line_num}: more values than the header has columns")
+        if any((value or "").strip() for value in row.values()):
+            rows.append(row)
+    return rows
+
+
+def reported_speedup(row: dict) -> float | None:
+    """spec_tok_s / baseline_tok_s of a row that audit_row has read, or None without a positive baseline."""
+    baseline, spec = _number(row, "baseline_tok_s", "row"), _number(row, "spec_tok_s", "row")
+    return spec / baseline if baseline > 0 else None
 
 
 def _number(row: dict, column: str, row_name: str, required: bool = True) -> float | None:

@@ -20,6 +20,9 @@ from verispec.lab.audit import DEFAULT_SLACK, TIE, VALID, Verdict, run_checks
 from verispec.lab.records import read_records
 
 SEED_COLUMNS = ["Draft length γ", "Baseline tok/s", "Speculative tok/s", "Speedup", "Acceptance"]
+# what the tables need of every record (runs written by `verispec bench`, `sweep` or `demo`)
+RUN_FIELDS = {"target": str, "weights": str, "prompt_set": str, "prompt_id": object, "proposer": str,
+              "gamma": int, "tok_s": float, "completion_tokens": int}
 PLOTS = ("speedup_vs_gamma.png", "acceptance_vs_gamma.png", "acceptance_by_position.png", "time_split.png")
 
 
@@ -417,7 +420,7 @@ class Report:
 def build_report(results: str | Path, out_dir: str | Path | None = None, profile: str | Path | None = None,
                  slack: float = DEFAULT_SLACK) -> Report:
     """Summarise a results JSONL; with out_dir, write results.md and the plots there."""
-    records = read_records(results)
+    records = read_records(results, RUN_FIELDS)
     if not records:
         raise VerispecError(f"{results}: holds no runs")
     rows = summarize(records, slack)
@@ -428,7 +431,11 @@ def build_report(results: str | Path, out_dir: str | Path | None = None, profile
     report = Report(rows, records)
     if out_dir is not None and rows:
         out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise VerispecError(f"cannot make the report folder {out_dir}: a file is in the way; "
+                                f"choose another with --out") from None
         report.markdown_path = out_dir / "results.md"
         report.markdown_path.write_text(markdown(rows, records, Path(results).name))
         report.plots = plot(rows, records, out_dir)
