@@ -325,3 +325,49 @@ def test_calibrate_command_on_a_tiny_model_then_explain_with_it(tmp_path, capsys
     assert profile.machine["cores"] >= 1 and profile.machine["torch"] == torch.__version__
     assert main(["explain", "--target", str(folder), "--draft", str(folder), "--profile", str(out_file)]) == 0
     assert "measured in" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- bad paths and values, caught before any work
+
+
+@pytest.fixture
+def no_measuring(monkeypatch):
+    """Make any measuring fail loudly, to prove that a bad --out is caught before it."""
+    def measured(*args, **kwargs):
+        raise AssertionError("measured before checking --out")
+    monkeypatch.setattr("verispec.lab.calibrate.measure_bandwidth", measured)
+
+
+@pytest.mark.parametrize("where,message", [
+    ("no-such-folder/profile.json", "there is no folder"),
+    (".", "is a folder; give a file to save the profile to"),
+    ("a-file/profile.json", "is a file, not a folder"),
+])
+def test_calibrate_checks_out_before_measuring(tmp_path, capsys, no_measuring, where, message):
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / where
+    assert main(["calibrate", "--buffer-mib", "1", "--repeats", "1", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("verispec: error:") and message in err and err.count("\n") == 1
+
+
+def test_saving_a_profile_to_a_folder_is_a_clear_error(tmp_path):
+    profile = CalibrationProfile({"processor": "test"}, 2e10, 1.9e10, 1e11)
+    with pytest.raises(VerispecError, match="is a folder"):
+        profile.save(tmp_path)
+
+
+def test_explain_with_a_folder_as_profile_is_one_line(tmp_path, capsys):
+    assert main(["explain", "--target", "seed-9b", "--draft", "seed-0.8b", "--profile", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("verispec: error:") and "is a folder" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("option", ["--overhead-ms", "--alpha", "--bandwidth", "--flops"])
+@pytest.mark.parametrize("value", ["nan", "inf", "NaN", "infinity"])
+def test_explain_refuses_nan_and_inf_before_printing(capsys, option, value):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["explain", "--target", "seed-9b", "--draft", "seed-0.8b", f"{option}={value}"])
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and f"argument {option}" in err and "expected a finite number" in err

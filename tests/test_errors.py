@@ -198,3 +198,14 @@ def test_seed_out_of_range_is_one_line(folder, capsys):
     code, _, err = run_cli(capsys, "generate", "--model", str(folder), "-t", "1", "--seed",
                            "99999999999999999999999", "-n", "2", "hi")
     assert code == 1 and "seed must be an integer from" in err
+
+
+@pytest.mark.parametrize("argv,option", [
+    (["-t", "nan"], "--temperature"),
+    (["-t", "inf"], "--temperature"),
+    (["--top-p", "nan"], "--top-p"),
+    (["--top-p=-inf"], "--top-p"),
+])
+def test_nan_and_inf_option_values_are_refused_when_parsed(folder, capsys, argv, option):
+    code, _, err = run_cli(capsys, "generate", "--model", str(folder), *argv, "-n", "2", "hi")
+    assert code == 2 and option in err and "expected a finite number" in err

@@ -25,9 +25,11 @@ def run(args) -> int:
     import torch
     from rich.console import Console
 
-    from verispec.lab.calibrate import calibrate
+    from verispec.lab.calibrate import calibrate, check_profile_path
     from verispec.loading import load_model
 
+    if args.out:
+        check_profile_path(args.out)  # before measuring, which takes minutes that a bad path would waste
     console = Console(highlight=False)
     warn_if_busy(console)
     if args.threads:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from verispec.commands.options import non_negative_float, positive_int
+from verispec.commands.options import finite_float, non_negative_float, positive_int
 
 PASS_SIZES = (1, 2, 3, 5, 9, 17)
 
@@ -32,9 +32,9 @@ def register(sub) -> None:
     machine.add_argument("--profile", "-p", default=None, help="a profile from `verispec calibrate --out`")
     machine.add_argument("--hardware", choices=list(HARDWARE), default=None,
                          help="a hardware preset (default: cpu, this project's CPU machines)")
-    parser.add_argument("--bandwidth", type=float, default=None, metavar="GB/s",
+    parser.add_argument("--bandwidth", type=finite_float, default=None, metavar="GB/s",
                         help="memory bandwidth, overriding the preset's or profile's")
-    parser.add_argument("--flops", type=float, default=None, metavar="TFLOP/s",
+    parser.add_argument("--flops", type=finite_float, default=None, metavar="TFLOP/s",
                         help="peak FLOP/s, overriding the preset's or profile's")
     parser.add_argument("--overhead-ms", type=non_negative_float, default=0.0,
                         help="fixed cost added to every pass (dispatch, synchronisation)")

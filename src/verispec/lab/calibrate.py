@@ -248,7 +248,11 @@ class CalibrationProfile:
         return out
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        check_profile_path(path)
+        try:
+            Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        except OSError as exc:
+            raise VerispecError(f"cannot save the profile to {path}: {exc.strerror or exc}") from None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CalibrationProfile":
@@ -264,6 +268,21 @@ class CalibrationProfile:
             raise VerispecError(f"calibration profile is incomplete or damaged ({exc})") from None
 
 
+def check_profile_path(path: str | Path) -> None:
+    """Fail at once, before the slow measuring, when a profile could not be saved at `path`."""
+    path = Path(path)
+    if path.is_dir():
+        raise VerispecError(f"{path} is a folder; give a file to save the profile to, "
+                            f"e.g. {path / 'profile.json'}")
+    folder = path.parent
+    if not folder.exists():
+        raise VerispecError(f"cannot save the profile to {path}: there is no folder {folder}")
+    if not folder.is_dir():
+        raise VerispecError(f"cannot save the profile to {path}: {folder} is a file, not a folder")
+    if not os.access(path if path.exists() else folder, os.W_OK):
+        raise VerispecError(f"cannot save the profile to {path}: permission denied")
+
+
 def load_profile(path: str | Path) -> CalibrationProfile:
     path = Path(path)
     try:
@@ -271,6 +290,11 @@ def load_profile(path: str | Path) -> CalibrationProfile:
     except FileNotFoundError:
         raise VerispecError(f"no calibration profile at {path}; make one with "
                             f"`verispec calibrate --out {path}`") from None
+    except IsADirectoryError:
+        raise VerispecError(f"{path} is a folder; give the profile file that "
+                            f"`verispec calibrate --out` wrote") from None
+    except OSError as exc:
+        raise VerispecError(f"cannot read the calibration profile {path}: {exc.strerror or exc}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise VerispecError(f"{path}: not a JSON calibration profile ({exc})") from None
     if not isinstance(data, dict):
