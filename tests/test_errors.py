@@ -209,3 +209,46 @@ def test_seed_out_of_range_is_one_line(folder, capsys):
 def test_nan_and_inf_option_values_are_refused_when_parsed(folder, capsys, argv, option):
     code, _, err = run_cli(capsys, "generate", "--model", str(folder), *argv, "-n", "2", "hi")
     assert code == 2 and option in err and "expected a finite number" in err
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"prompt": [1, 99999]}, "token id 99999 is outside the model's vocabulary"),
+    ({"prompt": [1, -1]}, "token id -1 is outside"),
+    ({"prompt": [1, "a"]}, "the prompt must be text, a list of token ids"),
+    ({"prompt": None}, "the prompt must be text"),
+    ({"temperature": float("nan")}, "temperature must be a number >= 0"),
+    ({"temperature": float("inf")}, "temperature must be a number >= 0"),
+    ({"top_k": 2.5}, "top-k must be a whole number"),
+    ({"seed": 1.5}, "seed must be an integer"),
+    ({"max_tokens": 2.5}, "max tokens must be a whole number"),
+    ({"draft": "ngram", "gamma": 2.5}, "gamma must be a whole number"),
+    ({"stop": 5}, "stop must be a string or a list of strings"),
+    ({"stop": ["x", None]}, "stop must be a string or a list of strings"),
+])
+def test_api_arguments_of_the_wrong_kind_are_named(folder, options, message):
+    from verispec.errors import VerispecError
+    model = load_model(folder)
+    options = {"prompt": "hi", "max_tokens": 2, **options}
+    with pytest.raises(VerispecError, match=message):
+        generate(model, options.pop("prompt"), **options)
+
+
+def test_a_single_stop_string_is_one_string(folder):
+    model = load_model(folder)
+    plain = generate(model, "hi", max_tokens=12, ignore_eos=True)
+    # the old reading took a string as its characters: it would stop at the first one
+    never = plain.text[0] + "\x01"
+    result = generate(model, "hi", max_tokens=12, ignore_eos=True, stop=never)
+    assert result.finish_reason == "length" and result.text == plain.text
+    assert generate(model, "hi", max_tokens=12, ignore_eos=True, stop=plain.text[2:4]).finish_reason == "stop"
+
+
+def test_a_draft_that_cannot_read_the_targets_token_drafts_nothing_after_it(tmp_path):
+    tiny.save_hf_model(tmp_path / "target", "qwen2", seed=1, vocab_size=300)  # 38 padding rows
+    tiny.save_hf_model(tmp_path / "draft", "qwen2", seed=4)  # the same tokenizer, 262 rows
+    target, draft = load_model(tmp_path / "target"), load_model(tmp_path / "draft")
+    plain = generate(target, "the cat sat", max_tokens=16, ignore_eos=True)
+    assert any(i >= 262 for i in plain.token_ids)  # random weights do choose padding rows
+    spec = generate(target, "the cat sat", max_tokens=16, ignore_eos=True, draft=draft, gamma=3)
+    assert spec.token_ids == plain.token_ids
+    assert spec.spec.gammas[-1] == 0  # plain rounds once the draft could not read the context

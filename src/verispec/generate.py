@@ -78,13 +78,34 @@ class TextAssembler:
 
 
 def encode_prompt(tokenizer, prompt: str | list[int] | list[dict[str, Any]], chat: bool) -> list[int]:
-    if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+    if isinstance(prompt, (list, tuple)) and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
         return list(prompt)
-    if isinstance(prompt, list):
-        return tokenizer.encode_chat(prompt)
+    if isinstance(prompt, (list, tuple)) and all(isinstance(p, dict) for p in prompt):
+        return tokenizer.encode_chat(list(prompt))
+    if not isinstance(prompt, str):
+        raise VerispecError("the prompt must be text, a list of token ids, or a list of chat messages "
+                            f"({{'role': ..., 'content': ...}}), not {_describe(prompt)}")
     if chat:
         return tokenizer.encode_chat([{"role": "user", "content": prompt}])
     return tokenizer.encode(prompt)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        kinds = sorted({type(v).__name__ for v in value})
+        return f"a list of {', '.join(kinds)}"
+    return type(value).__name__
+
+
+def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
+    """A single stop string is one string to stop at, not a set of characters."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise VerispecError(f"stop must be a string or a list of strings, not {_describe(stop)}")
+    return list(stop)
 
 
 def make_proposer(draft, target, ngram: tuple[int, int] = (3, 1)) -> Proposer | None:
@@ -107,19 +128,25 @@ def make_proposer(draft, target, ngram: tuple[int, int] = (3, 1)) -> Proposer | 
 @torch.inference_mode()
 def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None, gamma: int = 4,
            adaptive: bool | str = False, max_tokens: int = 128, temperature: float = 0.0,
-           top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
+           top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+           stop: str | Sequence[str] | None = (),
            chat: bool = False, ignore_eos: bool = False, ngram: tuple[int, int] = (3, 1)) -> Iterator[Event]:
     """Decode from `target` (a LoadedModel); with `draft`, speculatively. Yields Token events, then Finished."""
-    if max_tokens < 1:
-        raise VerispecError(f"max tokens must be at least 1, got {max_tokens}")
-    if not 0 <= gamma <= MAX_GAMMA:
-        raise VerispecError(f"gamma must be between 0 and {MAX_GAMMA}, got {gamma}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise VerispecError(f"max tokens must be a whole number >= 1, got {max_tokens!r}")
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or not 0 <= gamma <= MAX_GAMMA:
+        raise VerispecError(f"gamma must be a whole number from 0 to {MAX_GAMMA}, got {gamma!r}")
     params = SamplingParams(temperature, top_k, top_p, seed)
+    stop = _stop_strings(stop)
     generator = params.generator() if not params.greedy else None
     tokenizer, model = target.tokenizer, target.model
     prompt_ids = encode_prompt(tokenizer, prompt, chat)
     if not prompt_ids:
         raise VerispecError("the prompt is empty")
+    vocab = target.config.vocab_size
+    outside = next((i for i in prompt_ids if not 0 <= i < vocab), None)
+    if outside is not None:
+        raise VerispecError(f"token id {outside} is outside the model's vocabulary (0..{vocab - 1})")
     context_size = target.config.max_position_embeddings
     if len(prompt_ids) >= context_size:
         raise ContextOverflowError(

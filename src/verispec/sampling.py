@@ -6,6 +6,7 @@ sampling reproduces exactly the distribution that plain sampling draws from.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,15 @@ from verispec.errors import VerispecError
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
+def _is_whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    """An int or float that is not NaN (comparisons with NaN are all false)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
@@ -24,14 +34,14 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise VerispecError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise VerispecError(f"top-k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise VerispecError(f"top-p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
-            raise VerispecError(f"seed must be an integer from {SEED_MIN} to {SEED_MAX}, got {self.seed}")
+        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise VerispecError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not _is_whole(self.top_k) or self.top_k < 0:
+            raise VerispecError(f"top-k must be a whole number >= 0, got {self.top_k!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise VerispecError(f"top-p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not _is_whole(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise VerispecError(f"seed must be an integer from {SEED_MIN} to {SEED_MAX}, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -25,6 +25,9 @@ class DraftModelProposer:
         self.loaded = loaded
         # never draft a padding row the target has no embedding for
         self.vocab_limit = min(vocab_limit or loaded.config.vocab_size, loaded.config.vocab_size)
+        # a target with more embedding rows can choose an id the draft cannot read (a padding
+        # row, for a trained model almost never); the draft then drafts nothing from there on
+        self.rows = loaded.config.vocab_size
         self.model = loaded.model
         self.name = name or loaded.name
         self.cache = None
@@ -37,7 +40,7 @@ class DraftModelProposer:
         `prefill` the draft reads the prompt later, in its first round or through `catch_up`."""
         self.cache = self.model.new_cache(max_len)
         self.offset = 0
-        if prefill:
+        if prefill and self._readable(prompt_ids):
             self.model(torch.tensor([prompt_ids], device=self.device), self.cache, last_only=True)
 
     def lag(self, context: list[int]) -> int:
@@ -55,13 +58,15 @@ class DraftModelProposer:
             self.offset = max(0, len(context) - window)
             self.cache.rollback(0)
         start, end = self.offset + self.cache.length, len(context) - 1
-        if end > start:
+        if end > start and self._readable(context[start:end]):
             self.model(torch.tensor([context[start:end]], device=self.device), self.cache, last_only=True)
 
     @torch.inference_mode()
     def propose(self, context: list[int], gamma: int, params: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:
         pending = context[self.offset + self.cache.length:]
+        if not self._readable(pending):
+            return Proposal([], None)  # a plain round: the target decodes on its own
         feed = torch.tensor([pending], device=self.device)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
@@ -77,6 +82,9 @@ class DraftModelProposer:
             if i + 1 < gamma:
                 feed = torch.tensor([[token]], device=self.device)
         return Proposal(tokens, torch.stack(rows) if rows else None)
+
+    def _readable(self, ids: list[int]) -> bool:
+        return all(i < self.rows for i in ids)
 
     def commit(self, length: int) -> None:
         length -= self.offset
