@@ -558,3 +558,96 @@ def test_report_names_the_file_and_line_of_a_record_that_is_not_a_run(tmp_path, 
     path.write_text(json.dumps(fake_run("1", 0, 10.0)) + "\n" + line + "\n")
     code, _, err = run_cli_lines(capsys, "report", path, "--out", tmp_path / "out")
     assert_one_line_error(code, err, f"{path}:2: {message}")
+
+
+# ---------------------------------------------------------------- sweep and demo: bad input, nothing lost
+
+
+@pytest.fixture(scope="module")
+def mismatched_draft(tmp_path_factory):
+    """A tiny model whose tokenizer swaps the ids of 'a' and 'b': no draft for the `models` target."""
+    folder = tmp_path_factory.mktemp("mismatched")
+    tiny.save_hf_model(folder, "qwen2", seed=3, max_position_embeddings=2048)
+    tokenizer_file = folder / "tokenizer.json"
+    swapped = (tokenizer_file.read_text().replace('"a":', '"TMP":').replace('"b":', '"a":')
+               .replace('"TMP":', '"b":'))
+    tokenizer_file.write_text(swapped)
+    return folder
+
+
+def write_sweep_yaml(path: Path, **lines: str) -> Path:
+    """A sweep configuration from YAML snippets per key, so that a test can write a value of any type."""
+    path.write_text("".join(f"{key}: {value}\n" for key, value in lines.items()))
+    return path
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing model", "no model at 'nosuchmodel'"),
+    ("missing prompts", "no prompts at"),
+    ("draft with another tokenizer", "the draft's tokenizer does not match"),
+    ("out is the config", "is the sweep configuration itself"),
+])
+def test_sweep_restart_keeps_earlier_results_when_a_check_fails(models, prompt_file, mismatched_draft, tmp_path,
+                                                                capsys, case, message):
+    out = tmp_path / "runs.jsonl"
+    out.write_text('{"precious": 1}\n')
+    lines = {"targets": f"[{models / 'target'}]", "proposers": "[ngram]", "prompts": f"[{prompt_file}]",
+             "max_tokens": "4", "out": str(out)}
+    if case == "missing model":
+        lines["targets"] = "[nosuchmodel]"
+    elif case == "missing prompts":
+        lines["prompts"] = f"[{tmp_path / 'missing.txt'}]"
+    elif case == "draft with another tokenizer":
+        lines["proposers"] = f"[{mismatched_draft}]"
+    config = write_sweep_yaml(tmp_path / "grid.yaml", **lines)
+    if case == "out is the config":
+        out = config
+    kept = out.read_text()
+    code, _, err = run_cli_lines(capsys, "sweep", config, "--out", out, "--restart")
+    assert_one_line_error(code, err, message)
+    assert out.read_text() == kept
+
+
+@pytest.mark.parametrize("bad_option, message", [
+    (["--gamma", "100"], "expected a number from 1 to 32, got 100"),
+    (["--gamma", "0"], "expected a number >= 1, got 0"),
+    (["--draft", "MISMATCHED"], "the draft's tokenizer does not match"),
+])
+def test_demo_keeps_the_results_file_when_its_input_is_bad(models, prompt_file, mismatched_draft, tmp_path, capsys,
+                                                           bad_option, message):
+    out = tmp_path / "keep.jsonl"
+    out.write_text('{"precious": 1}\n')
+    bad_option = [str(mismatched_draft) if part == "MISMATCHED" else part for part in bad_option]
+    code, _, err = run_cli_lines(capsys, "demo", "--model", models / "target", "--draft", models / "same",
+                                 "--prompts", prompt_file, "--limit", "1", "--max-tokens", "4", "--out", out,
+                                 *bad_option)
+    assert code in (1, 2) and err[0].startswith("verispec: error: ") and message in err[0], err
+    assert out.read_text() == '{"precious": 1}\n'
+
+
+@pytest.mark.parametrize("key, value", [
+    ("limit", "abc"), ("limit", "0"), ("prompts", "5"), ("prompts", "[]"), ("out", "5"), ("threads", "many"),
+    ("targets", "{a: 1}"), ("targets", "[]"), ("temperature", "hot"), ("temperature", "-1"),
+    ("temperature", ".nan"), ("seed", "x"), ("ngram", "3"), ("ngram", "[1, 3]"), ("slack", "x"), ("slack", "2"),
+    ("bandwidth_gb_s", "fast"), ("gammas", "[1000]"), ("gammas", "[0]"), ("gammas", "[]"), ("gammas", "[true]"),
+    ("weights", "[]"), ("weights", "[int3]"), ("adaptive", "[0]"), ("max_tokens", "1"), ("warmup", "maybe"),
+])
+def test_sweep_config_value_of_the_wrong_type_is_one_line_before_any_model_loads(models, prompt_file, tmp_path,
+                                                                                 capsys, monkeypatch, key, value):
+    monkeypatch.setattr(sweep, "load_for_bench", lambda *a, **k: pytest.fail("no model should load"))
+    lines = {"targets": f"[{models / 'target'}]", "proposers": "[ngram]", "prompts": f"[{prompt_file}]",
+             "out": str(tmp_path / "runs.jsonl"), key: value}
+    config = write_sweep_yaml(tmp_path / "grid.yaml", **lines)
+    code, _, err = run_cli_lines(capsys, "sweep", config)
+    assert_one_line_error(code, err, str(config), f"'{key}' must be")
+    assert not (tmp_path / "runs.jsonl").exists()
+
+
+def test_bench_restart_keeps_earlier_results_when_the_draft_does_not_fit(models, prompt_file, mismatched_draft,
+                                                                         tmp_path, capsys):
+    out = tmp_path / "runs.jsonl"
+    out.write_text('{"precious": 1}\n')
+    code, _, err = run_cli_lines(capsys, "bench", "-m", models / "target", "-d", mismatched_draft, "-p", prompt_file,
+                                 "--limit", "1", "-n", "2", "-r", "1", "--no-warmup", "--out", out, "--restart")
+    assert_one_line_error(code, err, "the draft's tokenizer does not match")
+    assert out.read_text() == '{"precious": 1}\n'  # --restart discards only when a new record is written

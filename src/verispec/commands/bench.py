@@ -57,6 +57,7 @@ def run(args) -> int:
     from verispec.lab.prompts import load_prompts
     from verispec.lab.records import RecordWriter, check_results_path
     from verispec.lab.report import print_tables, summarize
+    from verispec.spec.compat import check_tokenizers
 
     console = Console(highlight=False)
     if args.threads:
@@ -79,6 +80,8 @@ def run(args) -> int:
         target = load_for_bench(args.model, args.weights, args.device)
         drafts = {p.label: load_for_bench(p.label, args.draft_weights, args.device)
                   for p in map(parse_proposer, args.draft) if p.kind == "draft"}
+    for draft in drafts.values():  # before the first run: a mismatch would stop the bench halfway
+        check_tokenizers(target.tokenizer, draft.tokenizer)
     writer = RecordWriter(out, fresh=args.restart)
     runs = len(prompts) * args.repeats * (len(configs) + 1)
     console.print(f"{len(prompts)} prompt(s) × {args.repeats} repeat(s) × (baseline + {len(configs)} "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from verispec.commands.options import WEIGHT_FORMATS, positive_int
+from verispec.commands.options import WEIGHT_FORMATS, draft_length, positive_int
 
 
 def register(sub) -> None:
@@ -15,7 +15,7 @@ def register(sub) -> None:
     parser.add_argument("--limit", type=positive_int, default=defaults.limit,
                         help="how many prompts (default: 2 coding questions and 1 of another category)")
     parser.add_argument("--max-tokens", "-n", type=positive_int, default=defaults.max_tokens)
-    parser.add_argument("--gamma", "-g", type=positive_int, default=defaults.gamma)
+    parser.add_argument("--gamma", "-g", type=draft_length, default=defaults.gamma)
     parser.add_argument("--prompts", "-p", default=None, help="a prompt source instead of the Spec-Bench pick")
     parser.add_argument("--weights", choices=WEIGHT_FORMATS, default=None, help="weight format of the target")
     parser.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=None)

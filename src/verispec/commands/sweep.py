@@ -19,12 +19,14 @@ def run(args) -> int:
 
     from verispec.lab.records import read_records
     from verispec.lab.report import print_tables, summarize
-    from verispec.lab.sweep import load_sweep_config, run_sweep
+    from verispec.lab.sweep import check_out_is_not_config, load_sweep_config, run_sweep
 
     console = Console(highlight=False)
     config = load_sweep_config(args.config)
+    out = args.out or config.out
+    check_out_is_not_config(out, args.config)
     try:
-        summary = run_sweep(config, out=args.out, fresh=args.restart, console=console)
+        summary = run_sweep(config, out=out, fresh=args.restart, console=console)
     except KeyboardInterrupt:
         console.print(f"[yellow]interrupted: finished runs are kept; rerun `verispec sweep {args.config}` "
                       f"to resume[/yellow]")

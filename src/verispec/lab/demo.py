@@ -49,9 +49,11 @@ def run_demo(options: DemoOptions, console) -> int:
     """Run the demo; 0 when every row of the audited table is VALID."""
     from verispec.commands.generate import ORIGIN_STYLE
     from verispec.lab.bench import Bench, BenchSettings, RunConfig, parse_proposer
-    from verispec.lab.records import RecordWriter
+    from verispec.lab.records import RecordWriter, check_results_path
     from verispec.lab.report import print_tables, summarize
 
+    if options.out:
+        check_results_path(options.out)  # before the models load
     prompt_set, prompts = demo_prompts(options)
     console.rule("[bold]verispec demo[/bold]")
     console.print(f"target [bold]{options.target}[/bold], draft [bold]{options.draft}[/bold]; "
@@ -60,6 +62,7 @@ def run_demo(options: DemoOptions, console) -> int:
     target = _load(console, options.target, options.weights, options.device)
     draft = _load(console, options.draft, options.draft_weights, options.device)
     configs = [RunConfig(parse_proposer(options.draft), options.gamma), RunConfig(parse_proposer("ngram"), options.gamma)]
+    # the last demo's records go only once this one has a record to replace them with
     writer = RecordWriter(options.out, fresh=True) if options.out else None
 
     def show(record: dict) -> None:
@@ -80,8 +83,8 @@ def run_demo(options: DemoOptions, console) -> int:
     _print_coloured(console, target.tokenizer, answer, ORIGIN_STYLE)
     console.print("legend: [magenta]kept draft[/magenta]  [red]recovered (the target's token at a rejection)"
                   "[/red]  [green]bonus[/green]  plain = the target's own step")
-    if writer:
-        console.print(f"[dim]raw runs: {writer.path} (`verispec report {writer.path}` redraws the table below)[/dim]")
+    if options.out:
+        console.print(f"[dim]raw runs: {options.out} (`verispec report {options.out}` redraws the table below)[/dim]")
     console.rule("audited results")
     rows = summarize(records)
     print_tables(console, rows, records)

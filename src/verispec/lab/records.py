@@ -102,19 +102,28 @@ def check_results_path(path: str | Path) -> None:
 class RecordWriter:
     """Appends records to a JSONL file, flushed after each so that an interruption loses at most one.
 
-    `fresh` discards the file's earlier records: only for a user who asked to start again.
+    `fresh` discards the file's earlier records, and only when the first new record is written:
+    a run that fails before it has anything to write (a missing model, a draft whose tokenizer
+    differs) leaves the file as it was.
     """
 
     def __init__(self, path: str | Path, fresh: bool = False):
         self.path = Path(path)
         check_results_path(self.path)
+        self.fresh = fresh
+        self.opened = False
+
+    def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if fresh:
+        if self.fresh:
             self.path.write_text("")
         else:
             repair_torn_tail(self.path)
+        self.opened = True
 
     def write(self, record: dict) -> None:
+        if not self.opened:
+            self._open()
         with open(self.path, "a") as f:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
             f.flush()

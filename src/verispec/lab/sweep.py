@@ -21,15 +21,19 @@ target is loaded once for all its runs, each draft model once for the sweep.
 from __future__ import annotations
 
 import gc
+import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from verispec.errors import VerispecError
+from verispec.generate import MAX_GAMMA
 from verispec.lab.bench import (Bench, BenchSettings, RunConfig, load_for_bench, parse_proposer, plan_runs,
                                 run_key, spec_configs)
 from verispec.lab.prompts import Prompt, load_prompts
-from verispec.lab.records import RecordWriter, read_records
+from verispec.lab.records import RecordWriter, check_results_path, read_records
+from verispec.sampling import SEED_MAX, SEED_MIN
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
 
@@ -77,38 +81,99 @@ def load_sweep_config(path: str | Path) -> SweepConfig:
 
 
 def sweep_config_from_dict(raw: dict, default_out: str = "results/sweep.jsonl", where: str = "sweep") -> SweepConfig:
+    """A checked SweepConfig: every key's type and range is checked here, before any slow work."""
     unknown = sorted(set(raw) - _KEYS)
     if unknown:
         raise VerispecError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(_KEYS))}")
     for key in ("targets", "proposers"):
-        if not raw.get(key):
+        if raw.get(key) is None:
             raise VerispecError(f"{where}: '{key}' is required (a list)")
-    values = {k: ([v] if k in _LIST_KEYS and not isinstance(v, list) else v) for k, v in raw.items()}
+    values = {k: ([v] if k in _LIST_KEYS and not isinstance(v, (list, dict)) else v) for k, v in raw.items()}
+    for key, value in values.items():
+        is_valid, expected = _EXPECTED[key]
+        if not is_valid(value):
+            raise VerispecError(f"{where}: '{key}' must be {expected}, got {_shown(raw[key])}")
     settings = BenchSettings(**{k: v for k, v in values.items() if k in _SETTING_KEYS})
-    if isinstance(settings.ngram, list):
-        settings.ngram = tuple(settings.ngram)
+    settings.ngram = tuple(settings.ngram)
     config = SweepConfig(settings=settings, **{k: v for k, v in values.items()
                                                if k not in _SETTING_KEYS})
     config.out = config.out or default_out
-    _validate(config, where)
+    config.configs()  # parses every proposer
     return config
 
 
-def _validate(config: SweepConfig, where: str) -> None:
-    for fmt in [*config.weights, *([config.draft_weights] if config.draft_weights else [])]:
-        if fmt not in WEIGHT_FORMATS:
-            raise VerispecError(f"{where}: unknown weight format {fmt!r}; choose from {', '.join(WEIGHT_FORMATS)}")
-    if not all(isinstance(g, int) and g >= 1 for g in config.gammas):
-        raise VerispecError(f"{where}: gammas must be whole numbers >= 1, got {config.gammas}")
-    for schedule in config.adaptive:
-        if schedule not in (False, "cost", "heuristic"):
-            raise VerispecError(f"{where}: adaptive takes false, cost or heuristic, got {schedule!r}")
-    s = config.settings
-    if not (isinstance(s.max_tokens, int) and s.max_tokens >= 2):
-        raise VerispecError(f"{where}: max_tokens must be a whole number >= 2 (tok/s is timed after the first)")
-    if not (isinstance(s.repeats, int) and s.repeats >= 1):
-        raise VerispecError(f"{where}: repeats must be a whole number >= 1")
-    config.configs()  # parses every proposer
+def _whole(value: object, low: int, high: float = math.inf) -> bool:
+    # YAML's true and false are bools, which Python also counts as ints
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _number(value: object, low: float) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value >= low)
+
+
+def _text(value: object) -> bool:
+    return isinstance(value, str) and bool(value.strip())
+
+
+def _one_or_more(is_item: Callable[[object], bool]) -> Callable[[object], bool]:
+    return lambda value: isinstance(value, list) and bool(value) and all(map(is_item, value))
+
+
+def _optional(is_valid: Callable[[object], bool]) -> Callable[[object], bool]:
+    return lambda value: value is None or is_valid(value)
+
+
+def _is_flag(value: object) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_weight_format(value: object) -> bool:
+    return isinstance(value, str) and value in WEIGHT_FORMATS
+
+
+def _is_schedule(value: object) -> bool:
+    return value is False or value in ("cost", "heuristic")
+
+
+def _is_ngram(value: object) -> bool:
+    return (isinstance(value, list) and len(value) == 2 and all(_whole(n, 1) for n in value)
+            and value[1] <= value[0])
+
+
+_FORMATS = ", ".join(WEIGHT_FORMATS)
+
+# key: (check of its value after a lone value became a list, what the key takes)
+_EXPECTED: dict[str, tuple[Callable[[object], bool], str]] = {
+    "targets": (_one_or_more(_text), "one or more model names (demo names, GGUF files or HF folders)"),
+    "proposers": (_one_or_more(_text), "one or more proposers (draft models, ngram, synthetic:α)"),
+    "gammas": (_one_or_more(lambda g: _whole(g, 1, MAX_GAMMA)), f"one or more whole numbers from 1 to {MAX_GAMMA}"),
+    "weights": (_one_or_more(_is_weight_format), f"one or more weight formats ({_FORMATS})"),
+    "draft_weights": (_optional(_is_weight_format), f"a weight format ({_FORMATS})"),
+    "adaptive": (_one_or_more(_is_schedule), "one or more of false, cost and heuristic"),
+    "prompts": (_one_or_more(_text), "one or more prompt sources (spec-bench[:CATEGORY] or files)"),
+    "limit": (_optional(lambda n: _whole(n, 1)), "a whole number >= 1 (prompts per set)"),
+    "out": (_optional(_text), "a file name"),
+    "device": (_text, "a device name (cpu, cuda)"),
+    "threads": (_optional(lambda n: _whole(n, 1)), "a whole number >= 1"),
+    "max_tokens": (lambda n: _whole(n, 2), "a whole number >= 2 (tok/s is timed after the first token)"),
+    "repeats": (lambda n: _whole(n, 1), "a whole number >= 1"),
+    "temperature": (lambda t: _number(t, 0), "a number >= 0 (0: greedy)"),
+    "seed": (lambda n: _whole(n, SEED_MIN, SEED_MAX), "a whole number that fits in 64 bits"),
+    "chat": (_optional(_is_flag), "true, false or null (null: when the model has a chat template)"),
+    "ignore_eos": (_is_flag, "true or false"),
+    "warmup": (_is_flag, "true or false"),
+    "bandwidth_gb_s": (_optional(lambda b: _number(b, 0)), "a number of GB/s >= 0"),
+    "slack": (lambda x: _number(x, 0) and 0 < x <= 1, "a number in (0, 1]"),
+    "ngram": (_is_ngram, "[MAX, MIN]: two whole numbers >= 1 with MIN <= MAX"),
+}
+assert set(_EXPECTED) == _KEYS, "every key of a sweep needs its check"
+
+
+def _shown(value: object) -> str:
+    """A value as the user wrote it in YAML (JSON is close enough), cut short when long."""
+    text = json.dumps(value, default=str, ensure_ascii=False)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass
@@ -121,22 +186,27 @@ class SweepSummary:
 
 def run_sweep(config: SweepConfig, out: str | Path | None = None, fresh: bool = False, console=None,
               on_record: Callable[[dict], None] | None = None) -> SweepSummary:
-    """Run every run of the grid that the output file does not hold yet."""
+    """Run every run of the grid that the output file does not hold yet.
+
+    `fresh` discards the file's earlier records once the first new record is written (RecordWriter).
+    """
     import torch
 
     out = Path(out or config.out)
+    check_results_path(out)
     done = {} if fresh or not out.is_file() else {r["key"]: r for r in read_records(out) if "key" in r}
-    writer = RecordWriter(out, fresh=fresh)
-    if config.threads:
-        torch.set_num_threads(config.threads)
     prompt_sets = {source: load_prompts(source, config.limit) for source in config.prompts}
     configs = config.configs()
     todo = {(target, weights): _pending(target, weights, prompt_sets, configs, config.settings, done)
             for target in config.targets for weights in config.weights}
+    _check_models_exist(config, [target for (target, _), count in todo.items() if count])
+    if config.threads:
+        torch.set_num_threads(config.threads)
     total = sum(len(plan_runs(p, configs, config.settings.repeats)) for p in prompt_sets.values()) * len(todo)
     pending = sum(todo.values())
     summary = SweepSummary(out, total, 0, total - pending)
     drafts: dict[str, object] = {}
+    writer = RecordWriter(out, fresh=fresh)
 
     with _progress(console) as progress:
         task = progress.add_task("sweep", total=pending)
@@ -164,6 +234,24 @@ def run_sweep(config: SweepConfig, out: str | Path | None = None, fresh: bool = 
             del bench, target
             gc.collect()
     return summary
+
+
+def _check_models_exist(config: SweepConfig, targets: list[str]) -> None:
+    """A misspelt model fails now, not after hours of runs of the models before it."""
+    from verispec.loading import resolve
+
+    for spec in [*dict.fromkeys(targets), *(config.draft_models() if targets else [])]:
+        resolve(spec)
+
+
+def check_out_is_not_config(out: str | Path, config_path: str | Path) -> None:
+    """Results appended to (or --restart emptying) the sweep's own YAML file would destroy it."""
+    out, config_path = Path(out), Path(config_path)
+    same = (out.samefile(config_path) if out.exists() and config_path.exists()
+            else out.resolve() == config_path.resolve())
+    if same:
+        raise VerispecError(f"the results file {str(out)!r} is the sweep configuration itself; "
+                            f"give a JSONL file for the results")
 
 
 def _pending(target: str, weights: str, prompt_sets: dict[str, list[Prompt]], configs: list[RunConfig],
