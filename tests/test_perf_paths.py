@@ -516,3 +516,18 @@ def test_adaptive_draft_reads_only_the_recent_context_of_a_long_prompt(folder, t
     fixed = DraftModelProposer(draft, vocab_limit=target.config.vocab_size)
     assert generate(target, prompt, draft=fixed, gamma=4, max_tokens=40, ignore_eos=True).token_ids == baseline.token_ids
     assert fixed.offset == 0
+
+
+def test_two_copies_of_a_model_file_keep_a_cache_entry_each(tmp_path, monkeypatch):
+    from verispec.loading import weight_cache
+
+    monkeypatch.setattr(weight_cache, "MIN_FILE_BYTES", 0)
+    monkeypatch.setenv("VERISPEC_CACHE_DIR", str(tmp_path / "cache"))
+    ref = tiny.save_hf_model(tmp_path / "hf", "qwen2", seed=5)
+    for copy in ("a", "b"):
+        (tmp_path / copy).mkdir()
+        tiny.write_gguf(tmp_path / copy / "model.gguf", ref, "qwen2")
+        load_model(tmp_path / copy / "model.gguf", weights="int8")
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 2
+    again = load_model(tmp_path / "a" / "model.gguf", weights="int8")
+    assert again.info.get("gguf_metadata_keys", 0) == 0  # still cached: the second copy did not evict it

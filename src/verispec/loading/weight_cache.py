@@ -50,9 +50,11 @@ def entry_path(model_file: Path, fmt: str, dtype: torch.dtype) -> Path | None:
     stat = model_file.stat()
     if stat.st_size < MIN_FILE_BYTES:
         return None
+    # which file, format and dtype: one entry each, replaced when the file or the code changes
+    slot = hashlib.sha1(f"{model_file.resolve()}|{dtype}".encode()).hexdigest()[:8]
     key = f"{VERSION}|{_code_version()}|{model_file.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{fmt}|{dtype}"
     digest = hashlib.sha1(key.encode()).hexdigest()[:16]
-    return _folder() / f"{model_file.stem}-{fmt}-{digest}.safetensors"
+    return _folder() / f"{model_file.stem}-{slot}-{fmt}-{digest}.safetensors"
 
 
 def _sidecar(entry: Path) -> Path:
@@ -86,8 +88,8 @@ def store(entry: Path, model: nn.Module, config: ModelConfig, tokenizer: Tokeniz
     }
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
-        stem, fmt, _ = entry.stem.rsplit("-", 2)
-        for stale in entry.parent.glob(f"{stem}-{fmt}-*.safetensors"):  # retired by a code or file change
+        slot = entry.stem.rsplit("-", 1)[0]  # stem, file slot and format
+        for stale in entry.parent.glob(f"{slot}-*.safetensors"):  # retired by a code or file change
             stale.unlink(missing_ok=True)
             _sidecar(stale).unlink(missing_ok=True)
         partial = entry.with_suffix(".partial")
