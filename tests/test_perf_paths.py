@@ -434,7 +434,7 @@ def test_weight_cache_round_trip(tmp_path, monkeypatch, fmt):
     # a model whose int4 layers have switched to the VNNI kernel's layout stores the canonical one
     entry = tmp_path / "again" / "model-int4-0.safetensors"
     weight_cache.store(entry, first.model, first.config, first.tokenizer)
-    model, _, _ = weight_cache.load(entry)
+    model = weight_cache.load(entry)[0]
     assert all(torch.equal(t, model.state_dict()[n]) for n, t in first.model.state_dict().items())
 
 

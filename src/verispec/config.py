@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verispec.errors import CorruptModelError
+from verispec.values import is_whole
 
 
 def _check_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not is_whole(value, 1):
         raise CorruptModelError(f"{name} must be a positive whole number, not {value!r}")
 
 

@@ -22,6 +22,7 @@ from verispec.sampling import SamplingParams, next_token
 from verispec.spec.gamma import make_policy
 from verispec.spec.proposer import Proposer
 from verispec.spec.verifier import verify_greedy, verify_sampling
+from verispec.values import is_whole
 
 MAX_GAMMA = 32
 # With --adaptive, a draft model reads the context only when it is about to draft, and no
@@ -78,7 +79,7 @@ class TextAssembler:
 
 
 def encode_prompt(tokenizer, prompt: str | list[int] | list[dict[str, Any]], chat: bool) -> list[int]:
-    if isinstance(prompt, (list, tuple)) and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+    if isinstance(prompt, (list, tuple)) and all(map(is_whole, prompt)):
         return list(prompt)
     if isinstance(prompt, (list, tuple)) and all(isinstance(p, dict) for p in prompt):
         return tokenizer.encode_chat(list(prompt))
@@ -132,9 +133,9 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
            stop: str | Sequence[str] | None = (),
            chat: bool = False, ignore_eos: bool = False, ngram: tuple[int, int] = (3, 1)) -> Iterator[Event]:
     """Decode from `target` (a LoadedModel); with `draft`, speculatively. Yields Token events, then Finished."""
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+    if not is_whole(max_tokens, 1):
         raise VerispecError(f"max tokens must be a whole number >= 1, got {max_tokens!r}")
-    if isinstance(gamma, bool) or not isinstance(gamma, int) or not 0 <= gamma <= MAX_GAMMA:
+    if not is_whole(gamma, 0, MAX_GAMMA):
         raise VerispecError(f"gamma must be a whole number from 0 to {MAX_GAMMA}, got {gamma!r}")
     params = SamplingParams(temperature, top_k, top_p, seed)
     stop = _stop_strings(stop)

@@ -6,24 +6,15 @@ sampling reproduces exactly the distribution that plain sampling draws from.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from verispec.errors import VerispecError
+from verispec.values import is_number, is_whole
 
 # torch.Generator.manual_seed takes any integer that fits in 64 bits, signed or unsigned
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
-
-
-def _is_whole(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    """An int or float that is not NaN (comparisons with NaN are all false)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
 @dataclass(frozen=True)
@@ -34,13 +25,13 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
+        if not is_number(self.temperature, 0):
             raise VerispecError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not _is_whole(self.top_k) or self.top_k < 0:
+        if not is_whole(self.top_k, 0):
             raise VerispecError(f"top-k must be a whole number >= 0, got {self.top_k!r}")
-        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_number(self.top_p, high=1) or self.top_p <= 0:
             raise VerispecError(f"top-p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not _is_whole(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+        if self.seed is not None and not is_whole(self.seed, SEED_MIN, SEED_MAX):
             raise VerispecError(f"seed must be an integer from {SEED_MIN} to {SEED_MAX}, got {self.seed!r}")
 
     @property

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from verispec.commands.options import (WEIGHT_FORMATS, add_slack_option, draft_length, non_negative_float,
-                                       non_negative_int, positive_int)
+from verispec.commands.options import (WEIGHT_FORMATS, add_ngram_option, add_slack_option, draft_length,
+                                       non_negative_float, non_negative_int, positive_int)
 
 
 def register(sub) -> None:
@@ -40,7 +40,7 @@ def register(sub) -> None:
     parser.add_argument("--bandwidth-gb-s", type=non_negative_float, default=None,
                         help="the machine's peak memory bandwidth, for the bandwidth rule of the audit")
     add_slack_option(parser)
-    parser.add_argument("--ngram", type=positive_int, nargs=2, metavar=("MAX", "MIN"), default=(3, 1))
+    add_ngram_option(parser)
     parser.add_argument("--out", "-o", default=None,
                         help="JSONL file for the raw runs (default: results/bench-<time>.jsonl); runs already "
                              "in it are reused and new ones appended, so an interrupted bench resumes")
@@ -52,19 +52,15 @@ def run(args) -> int:
     import torch
     from rich.console import Console
 
-    from verispec.errors import VerispecError
     from verispec.lab.bench import Bench, BenchSettings, load_for_bench, parse_proposer, spec_configs
     from verispec.lab.prompts import load_prompts
-    from verispec.lab.records import RecordWriter, check_results_path
+    from verispec.lab.records import RecordWriter, runs_by_key
     from verispec.lab.report import print_tables, summarize
     from verispec.spec.compat import check_tokenizers
 
     console = Console(highlight=False)
     if args.threads:
         torch.set_num_threads(args.threads)
-    max_ngram, min_ngram = args.ngram
-    if min_ngram > max_ngram:
-        raise VerispecError(f"--ngram takes MAX then MIN, with MIN <= MAX; got {max_ngram} {min_ngram}")
     adaptive = [args.adaptive] if args.adaptive else [False]
     gammas = [max(args.gamma)] if args.adaptive else args.gamma
     configs = spec_configs(args.draft, gammas, adaptive)
@@ -74,15 +70,14 @@ def run(args) -> int:
                              warmup=not args.no_warmup, bandwidth_gb_s=args.bandwidth_gb_s, slack=args.slack,
                              ngram=tuple(args.ngram))
     out = args.out or time.strftime("results/bench-%Y%m%d-%H%M%S.jsonl")
-    check_results_path(out)
-    done = {} if args.restart else earlier_runs(out)
+    writer = RecordWriter(out, fresh=args.restart)  # checks the path now, writes only with the first record
+    done = {} if args.restart else runs_by_key(out)
     with console.status(f"loading {args.model}"):
         target = load_for_bench(args.model, args.weights, args.device)
         drafts = {p.label: load_for_bench(p.label, args.draft_weights, args.device)
                   for p in map(parse_proposer, args.draft) if p.kind == "draft"}
     for draft in drafts.values():  # before the first run: a mismatch would stop the bench halfway
         check_tokenizers(target.tokenizer, draft.tokenizer)
-    writer = RecordWriter(out, fresh=args.restart)
     runs = len(prompts) * args.repeats * (len(configs) + 1)
     console.print(f"{len(prompts)} prompt(s) × {args.repeats} repeat(s) × (baseline + {len(configs)} "
                   f"configuration(s)) = {runs} runs of {args.max_tokens} tokens → {out}")
@@ -98,17 +93,6 @@ def run(args) -> int:
     print_tables(console, rows, records)
     console.print(f"[dim]raw runs: {out}[/dim]")
     return 0 if all(row.verdict.valid for row in rows) else 1
-
-
-def earlier_runs(out: str) -> dict[str, dict]:
-    """The runs already in the results file, by key, to reuse rather than run again."""
-    from pathlib import Path
-
-    from verispec.lab.records import read_records
-
-    if not Path(out).is_file():
-        return {}
-    return {r["key"]: r for r in read_records(out) if isinstance(r.get("key"), str)}
 
 
 def print_per_prompt(console, records: list[dict]) -> None:

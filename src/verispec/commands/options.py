@@ -62,6 +62,21 @@ def add_slack_option(parser: argparse.ArgumentParser) -> None:
                         help="timing noise allowed above a physical bound before a result is IMPOSSIBLE")
 
 
+class _NgramSizes(argparse.Action):
+    """--ngram MAX MIN, refused when parsed if MIN > MAX (prompt lookup would refuse it later)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        longest, shortest = values
+        if shortest > longest:
+            parser.error(f"argument {option_string}: takes MAX then MIN, with MIN <= MAX; got {longest} {shortest}")
+        setattr(namespace, self.dest, (longest, shortest))
+
+
+def add_ngram_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ngram", type=positive_int, nargs=2, metavar=("MAX", "MIN"), default=(3, 1),
+                        action=_NgramSizes, help="n-gram sizes tried by prompt lookup, longest first")
+
+
 def draft_length(text: str) -> int:
     """γ for the command line: 1..MAX_GAMMA (0 would draft nothing and only look speculative)."""
     from verispec.generate import MAX_GAMMA
@@ -89,8 +104,7 @@ def add_model_options(parser: argparse.ArgumentParser, draft: bool = True) -> No
         parser.add_argument("--adaptive", nargs="?", const="cost", choices=["cost", "heuristic"], default=False,
                             help="choose γ each round: 'cost' (default; from measured acceptance and costs, "
                                  "falls back to plain decoding) or 'heuristic' (+2 on full accept, -1 otherwise)")
-        parser.add_argument("--ngram", type=positive_int, nargs=2, metavar=("MAX", "MIN"), default=(3, 1),
-                            help="n-gram sizes tried by prompt lookup, longest first")
+        add_ngram_option(parser)
 
 
 def default_dtype(device: str, weights: str | None) -> str:

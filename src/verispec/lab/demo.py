@@ -49,11 +49,11 @@ def run_demo(options: DemoOptions, console) -> int:
     """Run the demo; 0 when every row of the audited table is VALID."""
     from verispec.commands.generate import ORIGIN_STYLE
     from verispec.lab.bench import Bench, BenchSettings, RunConfig, parse_proposer
-    from verispec.lab.records import RecordWriter, check_results_path
+    from verispec.lab.records import RecordWriter
     from verispec.lab.report import print_tables, summarize
 
-    if options.out:
-        check_results_path(options.out)  # before the models load
+    # checks the path before the models load; the last demo's records go only when this one has one
+    writer = RecordWriter(options.out, fresh=True) if options.out else None
     prompt_set, prompts = demo_prompts(options)
     console.rule("[bold]verispec demo[/bold]")
     console.print(f"target [bold]{options.target}[/bold], draft [bold]{options.draft}[/bold]; "
@@ -62,8 +62,6 @@ def run_demo(options: DemoOptions, console) -> int:
     target = _load(console, options.target, options.weights, options.device)
     draft = _load(console, options.draft, options.draft_weights, options.device)
     configs = [RunConfig(parse_proposer(options.draft), options.gamma), RunConfig(parse_proposer("ngram"), options.gamma)]
-    # the last demo's records go only once this one has a record to replace them with
-    writer = RecordWriter(options.out, fresh=True) if options.out else None
 
     def show(record: dict) -> None:
         if writer:

@@ -38,6 +38,13 @@ def read_records(path: str | Path, fields: Mapping[str, type] | None = None) -> 
     return records
 
 
+def runs_by_key(path: str | Path) -> dict[str, dict]:
+    """The runs a results file already holds, by key, to reuse rather than run again."""
+    if not Path(path).is_file():
+        return {}
+    return {r["key"]: r for r in read_records(path) if isinstance(r.get("key"), str)}
+
+
 def read_text(path: Path) -> str:
     """A text file's contents; a byte that is not UTF-8 is a one-line error naming its line."""
     data = path.read_bytes()

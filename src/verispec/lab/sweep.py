@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -32,10 +31,11 @@ from verispec.generate import MAX_GAMMA
 from verispec.lab.bench import (Bench, BenchSettings, RunConfig, load_for_bench, parse_proposer, plan_runs,
                                 run_key, spec_configs)
 from verispec.lab.prompts import Prompt, load_prompts
-from verispec.lab.records import RecordWriter, check_results_path, read_records
+from verispec.lab.records import RecordWriter, runs_by_key
+from verispec.quant import FORMATS as WEIGHT_FORMATS
 from verispec.sampling import SEED_MAX, SEED_MIN
+from verispec.values import is_number, is_whole
 
-WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
 
 
 @dataclass
@@ -102,16 +102,6 @@ def sweep_config_from_dict(raw: dict, default_out: str = "results/sweep.jsonl", 
     return config
 
 
-def _whole(value: object, low: int, high: float = math.inf) -> bool:
-    # YAML's true and false are bools, which Python also counts as ints
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-
-
-def _number(value: object, low: float) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and value >= low)
-
-
 def _text(value: object) -> bool:
     return isinstance(value, str) and bool(value.strip())
 
@@ -137,7 +127,7 @@ def _is_schedule(value: object) -> bool:
 
 
 def _is_ngram(value: object) -> bool:
-    return (isinstance(value, list) and len(value) == 2 and all(_whole(n, 1) for n in value)
+    return (isinstance(value, list) and len(value) == 2 and all(is_whole(n, 1) for n in value)
             and value[1] <= value[0])
 
 
@@ -147,24 +137,24 @@ _FORMATS = ", ".join(WEIGHT_FORMATS)
 _EXPECTED: dict[str, tuple[Callable[[object], bool], str]] = {
     "targets": (_one_or_more(_text), "one or more model names (demo names, GGUF files or HF folders)"),
     "proposers": (_one_or_more(_text), "one or more proposers (draft models, ngram, synthetic:α)"),
-    "gammas": (_one_or_more(lambda g: _whole(g, 1, MAX_GAMMA)), f"one or more whole numbers from 1 to {MAX_GAMMA}"),
+    "gammas": (_one_or_more(lambda g: is_whole(g, 1, MAX_GAMMA)), f"one or more whole numbers from 1 to {MAX_GAMMA}"),
     "weights": (_one_or_more(_is_weight_format), f"one or more weight formats ({_FORMATS})"),
     "draft_weights": (_optional(_is_weight_format), f"a weight format ({_FORMATS})"),
     "adaptive": (_one_or_more(_is_schedule), "one or more of false, cost and heuristic"),
     "prompts": (_one_or_more(_text), "one or more prompt sources (spec-bench[:CATEGORY] or files)"),
-    "limit": (_optional(lambda n: _whole(n, 1)), "a whole number >= 1 (prompts per set)"),
+    "limit": (_optional(lambda n: is_whole(n, 1)), "a whole number >= 1 (prompts per set)"),
     "out": (_optional(_text), "a file name"),
     "device": (_text, "a device name (cpu, cuda)"),
-    "threads": (_optional(lambda n: _whole(n, 1)), "a whole number >= 1"),
-    "max_tokens": (lambda n: _whole(n, 2), "a whole number >= 2 (tok/s is timed after the first token)"),
-    "repeats": (lambda n: _whole(n, 1), "a whole number >= 1"),
-    "temperature": (lambda t: _number(t, 0), "a number >= 0 (0: greedy)"),
-    "seed": (lambda n: _whole(n, SEED_MIN, SEED_MAX), "a whole number that fits in 64 bits"),
+    "threads": (_optional(lambda n: is_whole(n, 1)), "a whole number >= 1"),
+    "max_tokens": (lambda n: is_whole(n, 2), "a whole number >= 2 (tok/s is timed after the first token)"),
+    "repeats": (lambda n: is_whole(n, 1), "a whole number >= 1"),
+    "temperature": (lambda t: is_number(t, 0), "a number >= 0 (0: greedy)"),
+    "seed": (lambda n: is_whole(n, SEED_MIN, SEED_MAX), "a whole number that fits in 64 bits"),
     "chat": (_optional(_is_flag), "true, false or null (null: when the model has a chat template)"),
     "ignore_eos": (_is_flag, "true or false"),
     "warmup": (_is_flag, "true or false"),
-    "bandwidth_gb_s": (_optional(lambda b: _number(b, 0)), "a number of GB/s >= 0"),
-    "slack": (lambda x: _number(x, 0) and 0 < x <= 1, "a number in (0, 1]"),
+    "bandwidth_gb_s": (_optional(lambda b: is_number(b, 0)), "a number of GB/s >= 0"),
+    "slack": (lambda x: is_number(x, high=1) and x > 0, "a number in (0, 1]"),
     "ngram": (_is_ngram, "[MAX, MIN]: two whole numbers >= 1 with MIN <= MAX"),
 }
 assert set(_EXPECTED) == _KEYS, "every key of a sweep needs its check"
@@ -193,8 +183,8 @@ def run_sweep(config: SweepConfig, out: str | Path | None = None, fresh: bool = 
     import torch
 
     out = Path(out or config.out)
-    check_results_path(out)
-    done = {} if fresh or not out.is_file() else {r["key"]: r for r in read_records(out) if "key" in r}
+    writer = RecordWriter(out, fresh=fresh)  # checks the path now, writes only with the first record
+    done = {} if fresh else runs_by_key(out)
     prompt_sets = {source: load_prompts(source, config.limit) for source in config.prompts}
     configs = config.configs()
     todo = {(target, weights): _pending(target, weights, prompt_sets, configs, config.settings, done)
@@ -206,7 +196,6 @@ def run_sweep(config: SweepConfig, out: str | Path | None = None, fresh: bool = 
     pending = sum(todo.values())
     summary = SweepSummary(out, total, 0, total - pending)
     drafts: dict[str, object] = {}
-    writer = RecordWriter(out, fresh=fresh)
 
     with _progress(console) as progress:
         task = progress.add_task("sweep", total=pending)

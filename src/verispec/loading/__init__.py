@@ -78,11 +78,11 @@ def _build(config: ModelConfig, state: dict[str, torch.Tensor], path: Path) -> n
     return model
 
 
-def settle_in_memory(model: nn.Module, mapped: set[int], panels: bool) -> None:
-    """Leave the model holding each weight once, in memory of its own.
+def settle_in_memory(model: nn.Module, mapped: set[int]) -> None:
+    """Leave a packed CPU model holding each weight once, in memory of its own.
 
-    With `panels` (the model runs on the CPU) the packed layers switch to the kernels'
-    layout now rather than on first use, straight from wherever their tensors are. Tensors
+    The packed layers switch to the kernels' layout now rather than on first use, straight
+    from wherever their tensors are. Tensors
     still in a file's memory map (`mapped`: their storages' data pointers) are then copied
     out, aliases staying aliases, so the map closes: while any tensor points into it, every
     page once read stays in the resident set (the 1.5B model in bfloat16 from the weight
@@ -92,7 +92,7 @@ def settle_in_memory(model: nn.Module, mapped: set[int], panels: bool) -> None:
 
     from verispec.quant import PackedLinear
 
-    for module in model.modules() if panels else ():
+    for module in model.modules():
         if isinstance(module, PackedLinear):
             module.kernel_ready()  # switches to the panel layout where the kernels have one
     copies: dict[tuple, torch.Tensor] = {}
@@ -164,10 +164,9 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
         from verispec.loading.tokenizer import from_gguf
 
         entry = weight_cache.entry_path(path, fmt, dtype) if packed else None
-        cached = (weight_cache.load(entry, panels=device.type == "cpu")
-                  if entry is not None and entry.is_file() else None)
+        cached = weight_cache.load(entry) if entry is not None and entry.is_file() else None
         if cached is not None:
-            cached, config, tokenizer = cached
+            cached, config, tokenizer, mapped = cached
         else:
             config, state, meta, quantized = load_gguf(path, dtype, keep_quantized=fmt == "int4")
             tokenizer = from_gguf(path, meta)
@@ -187,9 +186,9 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
         quantize_model(model, fmt, gguf_tensors=quantized)
         if entry is not None:
             weight_cache.store(entry, model, config, tokenizer)
-    if packed and device.type == "cpu" and cached is None:  # (the cache settles its own)
+    if packed and device.type == "cpu":
         state = quantized = None  # the decoded tensors: freed before the heap is trimmed
-        settle_in_memory(model, mapped, panels=True)
+        settle_in_memory(model, mapped)
     name = str(spec) if str(spec) in DEMO_MODELS else path.name
     return LoadedModel(name, path, model, tokenizer, config, time.perf_counter() - started,
                        dtype, device, fmt, {"gguf_metadata_keys": len(meta)})

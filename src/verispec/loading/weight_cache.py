@@ -100,9 +100,9 @@ def store(entry: Path, model: nn.Module, config: ModelConfig, tokenizer: Tokeniz
         pass
 
 
-def load(entry: Path, panels: bool = True) -> tuple[nn.Module, ModelConfig, Tokenizer] | None:
-    """The model, config and tokenizer stored at `entry`; None if missing or unusable.
-    `panels`: the model will run on the CPU, so its layers take the kernels' layout now."""
+def load(entry: Path) -> tuple[nn.Module, ModelConfig, Tokenizer, set[int]] | None:
+    """The model, config and tokenizer stored at `entry`, and the storages (data pointers) of
+    its tensors, which are views of the entry's memory map; None if missing or unusable."""
     from safetensors import safe_open
     from tokenizers import Tokenizer as BackendTokenizer
 
@@ -138,8 +138,4 @@ def load(entry: Path, panels: bool = True) -> tuple[nn.Module, ModelConfig, Toke
         model.load_state_dict(tensors, strict=True, assign=True)
     except RuntimeError:
         return None
-    from verispec.loading import settle_in_memory
-
-    settle_in_memory(model, {t.untyped_storage().data_ptr() for t in tensors.values()}, panels)
-    return model, config, tokenizer
-
+    return model, config, tokenizer, {t.untyped_storage().data_ptr() for t in tensors.values()}
