@@ -14,7 +14,8 @@ the runs whose two measurements agree within 10% (a run during which the bandwid
 says nothing about either level; all runs count if none is steady). The best bandwidth
 seen in the whole run, and each format's share of it, are printed too. r(m) comes from
 forward passes over m positions on the same cache, the sizes interleaved round by round so
-that a change in machine load hits them all alike. Each run's summary is appended to results/perf/decode_bandwidth_history.jsonl.
+that a change in machine load hits them all alike. Each run's summary is appended to
+results/perf/decode_bandwidth_history.jsonl.
 """
 
 from __future__ import annotations
