@@ -32,8 +32,9 @@ _BUFFERS: dict[int, torch.Tensor] = {}
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 5, keep: bool = False) -> float:
     """The machine's read bandwidth in bytes/s: the best of torch.sum and the kernels'
-    own streaming sum (plain, and fetching ahead as the weight kernels do) over a buffer
-    far larger than the caches. `keep` holds on to the buffer for the next call."""
+    own streaming sum (plain, fetching ahead, and two streams per thread, as the weight
+    kernels read) over a buffer far larger than the caches. `keep` holds on to the buffer
+    for the next call."""
     from verispec.kernels import cpu_kernels
 
     size = int(gib * (1 << 30)) // 4
@@ -43,7 +44,8 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5, keep: bool = False) -> fl
     kernels = cpu_kernels()
     readers = [buffer.sum]
     if kernels:
-        readers += [lambda: kernels.stream_sum(buffer), lambda: kernels.stream_sum(buffer, True)]
+        readers += [lambda: kernels.stream_sum(buffer), lambda: kernels.stream_sum(buffer, True),
+                    lambda: kernels.stream_sum(buffer, False, 2)]
     best = 0.0
     for read in readers:
         read()

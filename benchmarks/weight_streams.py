@@ -4,6 +4,7 @@
     python benchmarks/weight_streams.py --formats int8 --rows 1 --rounds 15
     python benchmarks/weight_streams.py --threads 1     # what one core reads
     python benchmarks/weight_streams.py --prefetch 0 8192 20480 40960   # prefetch distances, bytes
+    python benchmarks/weight_streams.py --streams 1 2   # one stream per thread, or two side by side
 
 For each format, six copies of one Qwen2.5-1.5B layer's four products (qkv 2048x1536,
 o 1536x1536, gate_up 17920x1536, down 1536x8960; far more than the 32 MB cache) are
@@ -13,9 +14,11 @@ multiplied by m rows, in three ways:
   panels        the panel layout (`linear_float_panels`, `linear_int8_panels`) on 2 MB pages
   panels-4k     the same panels copied into memory that is kept on 4 KB pages
 
-and two plain sums read a buffer of the same size (`stream_sum`, without and with fetching
-ahead). With --prefetch, the panels run once per prefetch distance instead (0: the
-hardware prefetcher alone). int4's row-major kernel is the float32 one (`linear_int4`). Everything is interleaved round by round in one process, so a change in machine
+and three plain sums read a buffer of the same size (`stream_sum`: without and with fetching
+ahead, and as two streams per thread). With --prefetch, the panels run once per prefetch
+distance instead (0: the hardware prefetcher alone); with --streams, once per number of
+streams each thread reads side by side (`set_panel_streams`; two apply to one-row int8
+and int4 products only, so the float formats read the same either way). int4's row-major kernel is the float32 one (`linear_int4`). Everything is interleaved round by round in one process, so a change in machine
 load hits all alike; medians are given as GB/s of weights read.
 """
 
@@ -99,6 +102,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--prefetch", type=int, nargs="+", default=None,
                         help="run the panels at each of these prefetch distances (bytes, multiples of 64)")
+    parser.add_argument("--streams", type=int, nargs="+", default=None, choices=[1, 2],
+                        help="run the panels with each of these numbers of streams per thread")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -112,30 +117,39 @@ def main() -> int:
     print(f"weight streams: {torch.get_num_threads()} threads, {machine_load()}")
     warn_if_busy()
     results = {}
-    default_prefetch = kernels.stream_prefetch()
+    default = {"prefetch": kernels.stream_prefetch(), "streams": kernels.panel_streams()}
+
+    def use(setting: dict) -> None:
+        kernels.set_stream_prefetch(setting["prefetch"])
+        kernels.set_panel_streams(setting["streams"])
+
     for fmt in args.formats:
         ways, nbytes = build(fmt, args.copies, kernels)
-        distances = {"panels": default_prefetch}
-        if args.prefetch:
+        settings = {name: default for name in ways}
+        if args.prefetch or args.streams:
             panels = ways.pop("panels")
             del ways["panels-4k"]
-            for distance in args.prefetch:
-                ways[f"panels@{distance // 1024}K" if distance else "panels@none"] = panels
-                distances[f"panels@{distance // 1024}K" if distance else "panels@none"] = distance
+            for distance in args.prefetch or []:
+                name = f"panels@{distance // 1024}K" if distance else "panels@none"
+                ways[name], settings[name] = panels, {**default, "prefetch": distance}
+            for streams in args.streams or []:
+                name = f"panels x{streams}"
+                ways[name], settings[name] = panels, {**default, "streams": streams}
         buffer = torch.ones(nbytes // 4)
-        sums = {"sum": lambda: kernels.stream_sum(buffer), "sum-prefetch": lambda: kernels.stream_sum(buffer, True)}
+        sums = {"sum": lambda: kernels.stream_sum(buffer), "sum-prefetch": lambda: kernels.stream_sum(buffer, True),
+                "sum x2": lambda: kernels.stream_sum(buffer, False, 2)}
         for m in args.rows:
             inputs = {k: torch.randn(m, k) for k in {k for _, k in SHAPES}}
             times: dict[str, list[float]] = {name: [] for name in [*ways, *sums]}
             for round_index in range(args.rounds + 1):
                 for name, products in ways.items():
-                    kernels.set_stream_prefetch(distances.get(name, default_prefetch))
+                    use(settings[name])
                     started = time.perf_counter()
                     for product, k in products:
                         product(inputs[k])
                     if round_index:  # the first round warms up
                         times[name].append(time.perf_counter() - started)
-                kernels.set_stream_prefetch(default_prefetch)
+                use(default)
                 for name, read in sums.items():
                     started = time.perf_counter()
                     read()
@@ -147,11 +161,13 @@ def main() -> int:
             if "panels" in rate:
                 line += (f"; panels / row-major {rate['panels'] / rate['row-major']:.2f}, "
                          f"2 MB / 4 KB pages {rate['panels'] / rate['panels-4k']:.2f}, "
-                         f"panels / best sum {rate['panels'] / max(rate['sum'], rate['sum-prefetch']):.2f}")
+                         f"panels / best sum {rate['panels'] / max(rate[name] for name in sums):.2f}")
             print(line)
         del ways, buffer
-    kernels.set_stream_prefetch(default_prefetch)
-    save("weight_streams" + (f"_{args.threads}t" if args.threads else "") + ("_prefetch" if args.prefetch else ""), {"rounds": args.rounds, "copies": args.copies, "results": results})
+    use(default)
+    suffix = (f"_{args.threads}t" if args.threads else "") + ("_prefetch" if args.prefetch else "") \
+        + ("_streams" if args.streams else "")
+    save("weight_streams" + suffix, {"rounds": args.rounds, "copies": args.copies, "results": results})
     return 0
 
 

@@ -309,6 +309,38 @@ def test_the_prefetch_distance_changes_speed_only():
     assert k.stream_prefetch() == default == 20 * 1024
 
 
+@needs_int8_panels
+def test_two_streams_per_thread_change_speed_only():
+    """One-row int8 and int4 products read each thread's region of panels as two streams side
+    by side: the same sums as one stream (111 panels: two regions, of odd and even length)."""
+    k = kernels.cpu_kernels()
+    gen = torch.Generator().manual_seed(14)
+    int8 = Int8Linear.from_float(torch.randn(16 * 111, 256, generator=gen), torch.randn(16 * 111, generator=gen))
+    int4, _, _ = _int4_layer(16 * 111, 256, seed=15)
+    panels8, panels4 = to_panels(int8.weight), k.int4_to_panels(int4.nibbles, int4.scales)
+    x, residual = _rows(256, seed=16, count=3), torch.randn(3, 16 * 111, generator=gen)
+    default = k.panel_streams()
+    try:
+        outputs = {}
+        for streams in (1, 2):
+            k.set_panel_streams(streams)
+            outputs[streams] = [k.linear_int8_panels(x[i:i + 1], panels8, int8.scale, int8.bias, residual[i:i + 1])
+                                for i in range(3)]
+            outputs[streams] += [k.linear_int4_panels(x[i:i + 1], panels4, int4.bias, residual[i:i + 1])
+                                 for i in range(3)]
+        assert all(torch.equal(a, b) for a, b in zip(outputs[1], outputs[2]))
+        with pytest.raises(RuntimeError, match="1 or 2 streams"):
+            k.set_panel_streams(3)
+    finally:
+        k.set_panel_streams(default)
+    assert default == 2
+    # the bandwidth reference reads the same ways, and is a sum every way
+    t = torch.randn(1_000_003, generator=gen)
+    exact = float(t[:t.numel() // 32 * 32].double().sum())
+    for prefetch, streams in ((False, 1), (True, 1), (False, 2)):
+        assert k.stream_sum(t, prefetch, streams) == pytest.approx(exact, abs=1e-2)
+
+
 def _layer(fmt: str, rows: int, cols: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     weight, bias = torch.randn(rows, cols, generator=gen), torch.randn(rows, generator=gen)

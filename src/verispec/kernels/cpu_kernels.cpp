@@ -175,15 +175,66 @@ inline void prefetch_lines(const uint8_t* from, const uint8_t* to, const uint8_t
 
 constexpr int kPanel = 16;  // output columns per panel, in every panel layout
 
-// The loop every panel product shares: panels split among the threads, each thread's
-// panels one stream fetched `stream_prefetch()` bytes ahead (from the start of its piece),
-// and the m rows split into tiles of at most `max_rows`, as even as that allows (17 rows
-// of 10: 9 + 8, not 10 + 7). tile(rows, panel, row0, fetch_end, ahead) computes rows
-// [row0, row0 + rows) of one panel; only each panel's first tile fetches ahead.
+// How many streams each thread reads side by side in a one-row integer product: 2 unless
+// `set_panel_streams` changes it. One core's hardware prefetcher keeps more of memory in
+// flight for two sequential streams than for one: on this class of machine one stream of
+// int8 panels read ~90% of a plain sum, two about as much as the sum
+// (`benchmarks/weight_streams.py --streams 1 2` compares them).
+std::atomic<int> g_panel_streams{2};
+inline int panel_streams() { return g_panel_streams.load(std::memory_order_relaxed); }
+void set_panel_streams(int64_t streams) {
+  TORCH_CHECK(streams == 1 || streams == 2, "1 or 2 streams per thread, not ", streams);
+  g_panel_streams.store(static_cast<int>(streams), std::memory_order_relaxed);
+}
+
+// threads for a paired product: products under 128 KB per thread run on fewer threads
+inline int64_t pair_threads(int64_t count, int64_t stride) {
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, stride));
+  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count / (2 * grain)));
+}
+
+// pair(p, q) for panels [0, count) read as two streams per thread: one region per thread,
+// whose first half is read beside its second (q = -1 where an odd region leaves p alone).
+// Each thread takes pieces from the front of its own region, so it reads two unbroken
+// streams, and then from the other regions' fronts once its own is done: balanced to a
+// piece, with two stream starts per thread when none falls behind. (Pieces taken in turn
+// from a shared counter restarted both streams at every piece; each start costs the
+// memory's latency before the prefetcher is ahead again.)
+
+template <class Pair>
+void for_each_panel_pair(int64_t count, int64_t stride, const Pair& pair) {
+  const int64_t threads = pair_threads(count, stride);
+  const int64_t piece = std::max<int64_t>(1, (1 << 16) / (2 * stride));  // pairs taken at a time: ~64 KB
+  struct alignas(64) Cursor { std::atomic<int64_t> next{0}; };
+  std::vector<Cursor> cursors(threads);
+  WorkPool::instance().run(threads, [&](int64_t first) {
+    for (int64_t visited = 0, r = first; visited < threads; ++visited, r = (r + 1) % threads) {
+      const int64_t lo = count * r / threads, hi = count * (r + 1) / threads, half = (hi - lo + 1) / 2;
+      for (int64_t j; (j = cursors[r].next.fetch_add(piece, std::memory_order_relaxed)) < half;)
+        for (int64_t i = j; i < std::min(half, j + piece); ++i) pair(lo + i, lo + half + i < hi ? lo + half + i : -1);
+    }
+  });
+}
+
+// The loop every panel product shares: panels split among the threads, and the m rows
+// split into tiles of at most `max_rows`, as even as that allows (17 rows of 10: 9 + 8, not
+// 10 + 7). tile(rows, p, q, row0, fetch_end, ahead) computes rows [row0, row0 + rows) of
+// panel p, and of panel q too when q >= 0.
+//
+// With `pairs` (the integer formats) and one row, the panels go pair by pair to
+// `for_each_panel_pair`, read by the hardware prefetcher alone (software prefetching two
+// streams read less). Otherwise each thread's pieces are one stream fetched
+// `stream_prefetch()` bytes ahead, and only each panel's first tile fetches. (With more
+// rows, or float weights, two streams read no more on this class of machine.)
 template <class Tile>
 void for_each_panel_tile(const uint8_t* panels, int64_t count, int64_t stride, int64_t k, int64_t m,
-                         int max_rows, const Tile& tile) {
+                         int max_rows, bool pairs, const Tile& tile) {
   const int64_t tiles = (m + max_rows - 1) / max_rows;
+  const bool paired = pairs && m == 1 && panel_streams() == 2;
+  if (paired) {
+    for_each_panel_pair(count, stride, [&](int64_t p, int64_t q) { tile(1, p, q, 0, nullptr, 0); });
+    return;
+  }
   // small products run on one thread: waking the others would cost more than it saves
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kPanel * k * std::max<int64_t>(1, m)));
   const int64_t ahead = stream_prefetch();
@@ -193,7 +244,7 @@ void for_each_panel_tile(const uint8_t* panels, int64_t count, int64_t stride, i
     for (int64_t p = begin; p < end; ++p)
       for (int64_t t = 0, row0 = 0; t < tiles; ++t) {
         const int rows = static_cast<int>((m - row0) / (tiles - t));
-        tile(rows, p, row0, t == 0 ? fetch_end : nullptr, ahead);
+        tile(rows, p, -1, row0, t == 0 ? fetch_end : nullptr, ahead);
         row0 += rows;
       }
   });
@@ -644,77 +695,84 @@ inline __m512i broadcast_dword(const int8_t* p) {
 // group are exact whatever the order; its float accumulator sees the same two
 // multiply-adds per group in every tile, so the result does not depend on R.
 // Not inlined: each tile size keeps its own register allocation.
-template <int R>
-__attribute__((noinline)) void panel_tile(const uint8_t* panel, int64_t groups, const RoundedRows& xr, int64_t row0, int64_t k,
-                       float* y, int64_t ldy, int64_t col0, const float* bias, const float* residual,
-                       const uint8_t* fetch_end, int64_t ahead) {
-  constexpr int kChains = R <= 2 ? 4 : (R <= 4 ? 2 : 1);  // independent int32 sums per row
+template <int R, int S>
+__attribute__((noinline)) void panel_tile(const uint8_t* const* panel, int64_t groups, const RoundedRows& xr, int64_t row0,
+                                          int64_t k, float* y, int64_t ldy, const int64_t* col0, const float* bias,
+                                          const float* residual, const uint8_t* fetch_end, int64_t ahead) {
+  constexpr int kChains = std::max(1, (R <= 2 ? 4 : (R <= 4 ? 2 : 1)) / S);  // independent int32 sums per row
+  constexpr int N = S * R;  // row r of panel j at j * R + r
   const __m512i low = _mm512_set1_epi8(15);
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[N];
+  for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_ps();
   const int8_t* xq = xr.q.data() + row0 * k;
   const float* dx = xr.dx.data() + row0 * groups;
   const float* cx = xr.c.data() + row0 * groups;
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* p = panel + g * kPanelGroupBytes;
-    if (fetch_end && p + ahead + kPanelGroupBytes <= fetch_end)
+    const uint8_t* p[S];
+    for (int j = 0; j < S; ++j) p[j] = panel[j] + g * kPanelGroupBytes;
+    if (fetch_end && p[0] + ahead + kPanelGroupBytes <= fetch_end)
       for (int line = 0; line < 5; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(p + ahead + 64 * line), _MM_HINT_T0);
-    const __m512 s = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p)));
-    const __m512 z = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p + 32)));
-    __m512i sum[R][kChains];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < kChains; ++c) sum[r][c] = _mm512_setzero_si512();
-    for (int t = 0; t < 4; ++t) {
-      const __m512i v = _mm512_load_si512(reinterpret_cast<const __m512i*>(p + 64 + 64 * t));
-      const __m512i lo = _mm512_and_si512(v, low);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        _mm_prefetch(reinterpret_cast<const char*>(p[0] + ahead + 64 * line), _MM_HINT_T0);
+    __m512i sum[N][kChains];
+    for (int i = 0; i < N; ++i)
+      for (int c = 0; c < kChains; ++c) sum[i][c] = _mm512_setzero_si512();
+    for (int t = 0; t < 4; ++t)
+      for (int j = 0; j < S; ++j) {
+        const __m512i v = _mm512_load_si512(reinterpret_cast<const __m512i*>(p[j] + 64 + 64 * t));
+        const __m512i lo = _mm512_and_si512(v, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xg = xq + r * k + g * kGroup;
+          __m512i& a = sum[j * R + r][(2 * t) % kChains];
+          a = _mm512_dpbusd_epi32(a, lo, broadcast_dword(xg + 4 * t));
+          __m512i& b = sum[j * R + r][(2 * t + 1) % kChains];
+          b = _mm512_dpbusd_epi32(b, hi, broadcast_dword(xg + 16 + 4 * t));
+        }
+      }
+    for (int j = 0; j < S; ++j) {
+      const __m512 s = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p[j])));
+      const __m512 z = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p[j] + 32)));
       for (int r = 0; r < R; ++r) {
-        const int8_t* xg = xq + r * k + g * kGroup;
-        __m512i& a = sum[r][(2 * t) % kChains];
-        a = _mm512_dpbusd_epi32(a, lo, broadcast_dword(xg + 4 * t));
-        __m512i& b = sum[r][(2 * t + 1) % kChains];
-        b = _mm512_dpbusd_epi32(b, hi, broadcast_dword(xg + 16 + 4 * t));
+        __m512i total = sum[j * R + r][0];
+        for (int c = 1; c < kChains; ++c) total = _mm512_add_epi32(total, sum[j * R + r][c]);
+        const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(dx[r * groups + g]));
+        __m512& out = acc[j * R + r];
+        out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), sd, out);
+        out = _mm512_fmadd_ps(z, _mm512_set1_ps(cx[r * groups + g]), out);
       }
     }
+  }
+  for (int j = 0; j < S; ++j)
     for (int r = 0; r < R; ++r) {
-      __m512i total = sum[r][0];
-      for (int c = 1; c < kChains; ++c) total = _mm512_add_epi32(total, sum[r][c]);
-      const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(dx[r * groups + g]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), sd, acc[r]);
-      acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(cx[r * groups + g]), acc[r]);
+      __m512 v = acc[j * R + r];
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + col0[j]));
+      if (residual) v = _mm512_add_ps(v, _mm512_loadu_ps(residual + r * ldy + col0[j]));
+      _mm512_storeu_ps(y + r * ldy + col0[j], v);
     }
-  }
-  for (int r = 0; r < R; ++r) {
-    __m512 v = acc[r];
-    if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + col0));
-    if (residual) v = _mm512_add_ps(v, _mm512_loadu_ps(residual + r * ldy + col0));
-    _mm512_storeu_ps(y + r * ldy + col0, v);
-  }
-}
-
-inline void panel_rows(int rows, const uint8_t* panel, int64_t groups, const RoundedRows& xr, int64_t row0,
-                       int64_t k, float* y, int64_t ldy, int64_t col0, const float* bias,
-                       const float* residual, const uint8_t* fetch_end, int64_t ahead) {
-#define VERISPEC_TILE(R) \
-  case R: panel_tile<R>(panel, groups, xr, row0, k, y, ldy, col0, bias, residual, fetch_end, ahead); return;
-  switch (rows) {
-    VERISPEC_TILE(1) VERISPEC_TILE(2) VERISPEC_TILE(3) VERISPEC_TILE(4) VERISPEC_TILE(5)
-    VERISPEC_TILE(6) VERISPEC_TILE(7) VERISPEC_TILE(8) VERISPEC_TILE(9) VERISPEC_TILE(10)
-  }
-#undef VERISPEC_TILE
-  static_assert(kPanelRows == 10, "one case per tile size");
 }
 
 void matmul_panels(const uint8_t* panels, int64_t n, int64_t k, const float* x, int64_t m, float* y,
                    const float* bias, const float* residual) {
   const RoundedRows xr = round_rows(x, m, k);
   const int64_t groups = k / kGroup, stride = groups * kPanelGroupBytes;
-  for_each_panel_tile(panels, n / kPanel, stride, k, m, kPanelRows,
-                      [&](int rows, int64_t p, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
-    panel_rows(rows, panels + p * stride, groups, xr, row0, k, y + row0 * n, n, p * kPanel, bias,
-               residual ? residual + row0 * n : nullptr, fetch_end, ahead);
+  for_each_panel_tile(panels, n / kPanel, stride, k, m, kPanelRows, true,
+                      [&](int rows, int64_t p, int64_t q, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
+    const uint8_t* panel[2] = {panels + p * stride, panels + q * stride};
+    const int64_t col0[2] = {p * kPanel, q * kPanel};
+    float* yr = y + row0 * n;
+    const float* rr = residual ? residual + row0 * n : nullptr;
+    if (q >= 0) {  // one row, two streams
+      panel_tile<1, 2>(panel, groups, xr, row0, k, yr, n, col0, bias, rr, nullptr, 0); return;
+    }
+    switch (rows) {
+#define VERISPEC_TILE(R) \
+  case R: panel_tile<R, 1>(panel, groups, xr, row0, k, yr, n, col0, bias, rr, fetch_end, ahead); return;
+      VERISPEC_TILE(1) VERISPEC_TILE(2) VERISPEC_TILE(3) VERISPEC_TILE(4) VERISPEC_TILE(5)
+      VERISPEC_TILE(6) VERISPEC_TILE(7) VERISPEC_TILE(8) VERISPEC_TILE(9) VERISPEC_TILE(10)
+#undef VERISPEC_TILE
+    }
   });
+  static_assert(kPanelRows == 10, "one case per tile size");
 }
 
 // ------------------------------------------------------------------ bindings: panels
@@ -864,25 +922,23 @@ __attribute__((noinline)) void float_panel_tile(const uint8_t* panel, int64_t k,
 }
 
 template <class P>
-void float_panel_rows(int rows, const uint8_t* panel, int64_t k, const float* x, float* y, int64_t ldy,
-                      int64_t col0, const float* bias, const float* residual, const uint8_t* fetch_end,
-                      int64_t ahead) {
-#define VERISPEC_TILE(R) \
-  case R: float_panel_tile<P, R>(panel, k, x, y, ldy, col0, bias, residual, fetch_end, ahead); return;
-  switch (rows) { VERISPEC_TILE(1) VERISPEC_TILE(2) VERISPEC_TILE(3) VERISPEC_TILE(4) VERISPEC_TILE(5) VERISPEC_TILE(6) }
-#undef VERISPEC_TILE
-  static_assert(kFloatPanelRows == 6, "one case per tile size");
-}
-
-template <class P>
 void matmul_float_panels(const uint8_t* panels, int64_t n, int64_t k, const float* x, int64_t m, float* y,
                          const float* bias, const float* residual) {
   const int64_t stride = kPanel * k * 4 / P::kPerLine;
-  for_each_panel_tile(panels, n / kPanel, stride, k, m, kFloatPanelRows,
-                      [&](int rows, int64_t p, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
-    float_panel_rows<P>(rows, panels + p * stride, k, x + row0 * k, y + row0 * n, n, p * kPanel, bias,
-                        residual ? residual + row0 * n : nullptr, fetch_end, ahead);
+  for_each_panel_tile(panels, n / kPanel, stride, k, m, kFloatPanelRows, false,
+                      [&](int rows, int64_t p, int64_t, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
+    const uint8_t* panel = panels + p * stride;
+    const float* xr = x + row0 * k;
+    float* yr = y + row0 * n;
+    const float* rr = residual ? residual + row0 * n : nullptr;
+    switch (rows) {
+#define VERISPEC_TILE(R) \
+  case R: float_panel_tile<P, R>(panel, k, xr, yr, n, p * kPanel, bias, rr, fetch_end, ahead); return;
+      VERISPEC_TILE(1) VERISPEC_TILE(2) VERISPEC_TILE(3) VERISPEC_TILE(4) VERISPEC_TILE(5) VERISPEC_TILE(6)
+#undef VERISPEC_TILE
+    }
   });
+  static_assert(kFloatPanelRows == 6, "one case per tile size");
 }
 
 // x [m, k] @ W^T for W in the panel layout [n/16, k/L, 16, L] (float32, bfloat16 or float16)
@@ -947,50 +1003,57 @@ Int16Rows round_rows_int16(const float* x, int64_t m, int64_t k) {
   return r;
 }
 
-template <int R>
-__attribute__((noinline)) void int8_panel_tile(const int8_t* panel, int64_t k, const Int16Rows& xr, int64_t row0,
-                                               float* y, int64_t ldy, int64_t col0, const float* scale,
+// rows [0, R) x the 16 columns of S panels (read side by side), over all k
+template <int R, int S>
+__attribute__((noinline)) void int8_panel_tile(const int8_t* const* panel, int64_t k, const Int16Rows& xr, int64_t row0,
+                                               float* y, int64_t ldy, const int64_t* col0, const float* scale,
                                                const float* bias, const float* residual, const uint8_t* fetch_end,
                                                int64_t ahead) {
   // independent int32 sums per row, so that one row is not held up by the latency of
   // `vpdpwssd` (int32 sums are exact, so their number does not change the result)
-  constexpr int kChains = R == 1 ? 8 : (R == 2 ? 4 : (R <= 5 ? 2 : 1));
+  constexpr int kChains = std::max(1, (R == 1 ? 8 : (R == 2 ? 4 : (R <= 5 ? 2 : 1))) / S);
+  constexpr int N = S * R;  // sums for row r of panel j at j * R + r
   const int64_t groups = k / kGroup;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[N];
+  for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* lines = reinterpret_cast<const uint8_t*>(panel) + g * kGroup * kPanel;
-    const bool fetch = fetch_end && lines + ahead + 512 <= fetch_end;
-    __m512i s0[R], s1[R], s2[R], s3[R], s4[R], s5[R], s6[R], s7[R];
+    const uint8_t* lines[S];
+    for (int j = 0; j < S; ++j) lines[j] = reinterpret_cast<const uint8_t*>(panel[j]) + g * kGroup * kPanel;
+    const bool fetch = fetch_end && lines[0] + ahead + 512 <= fetch_end;
+    __m512i s0[N], s1[N], s2[N], s3[N], s4[N], s5[N], s6[N], s7[N];
     __m512i* sums[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
     for (int c = 0; c < kChains; ++c)
-      for (int r = 0; r < R; ++r) sums[c][r] = _mm512_setzero_si512();
+      for (int i = 0; i < N; ++i) sums[c][i] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int t = 0; t < kGroup / 4; ++t) {
-      if (fetch) _mm_prefetch(reinterpret_cast<const char*>(lines + ahead + 64 * t), _MM_HINT_T0);
-      const __m512i v = _mm512_loadu_si512(lines + 64 * t);
-      const __m512i even = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8);  // inputs 4t, 4t+2
-      const __m512i odd = _mm512_srai_epi16(v, 8);                          // inputs 4t+1, 4t+3
-      for (int r = 0; r < R; ++r) {
-        const int32_t* xp = xr.pairs.data() + (row0 + r) * (k / 2) + g * (kGroup / 2) + 2 * t;
-        __m512i& a = sums[(2 * t) % kChains][r];
-        a = _mm512_dpwssd_epi32(a, even, _mm512_set1_epi32(xp[0]));
-        __m512i& b = sums[(2 * t + 1) % kChains][r];
-        b = _mm512_dpwssd_epi32(b, odd, _mm512_set1_epi32(xp[1]));
+      if (fetch) _mm_prefetch(reinterpret_cast<const char*>(lines[0] + ahead + 64 * t), _MM_HINT_T0);
+      for (int j = 0; j < S; ++j) {
+        const __m512i v = _mm512_loadu_si512(lines[j] + 64 * t);
+        const __m512i even = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8);  // inputs 4t, 4t+2
+        const __m512i odd = _mm512_srai_epi16(v, 8);                          // inputs 4t+1, 4t+3
+        for (int r = 0; r < R; ++r) {
+          const int32_t* xp = xr.pairs.data() + (row0 + r) * (k / 2) + g * (kGroup / 2) + 2 * t;
+          __m512i& a = sums[(2 * t) % kChains][j * R + r];
+          a = _mm512_dpwssd_epi32(a, even, _mm512_set1_epi32(xp[0]));
+          __m512i& b = sums[(2 * t + 1) % kChains][j * R + r];
+          b = _mm512_dpwssd_epi32(b, odd, _mm512_set1_epi32(xp[1]));
+        }
       }
     }
-    for (int r = 0; r < R; ++r) {
-      __m512i total = s0[r];
-      for (int c = 1; c < kChains; ++c) total = _mm512_add_epi32(total, sums[c][r]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(xr.dx[(row0 + r) * groups + g]), acc[r]);
+    for (int i = 0; i < N; ++i) {
+      __m512i total = s0[i];
+      for (int c = 1; c < kChains; ++c) total = _mm512_add_epi32(total, sums[c][i]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(xr.dx[(row0 + i % R) * groups + g]), acc[i]);
     }
   }
-  const __m512 s = _mm512_loadu_ps(scale + col0);
-  for (int r = 0; r < R; ++r) {
-    __m512 v = _mm512_mul_ps(acc[r], s);
-    if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + col0));
-    if (residual) v = _mm512_add_ps(v, _mm512_loadu_ps(residual + r * ldy + col0));
-    _mm512_storeu_ps(y + r * ldy + col0, v);
+  for (int j = 0; j < S; ++j) {
+    const __m512 s = _mm512_loadu_ps(scale + col0[j]);
+    for (int r = 0; r < R; ++r) {
+      __m512 v = _mm512_mul_ps(acc[j * R + r], s);
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + col0[j]));
+      if (residual) v = _mm512_add_ps(v, _mm512_loadu_ps(residual + r * ldy + col0[j]));
+      _mm512_storeu_ps(y + r * ldy + col0[j], v);
+    }
   }
 }
 
@@ -1010,14 +1073,18 @@ at::Tensor linear_int8_panels(const at::Tensor& x, const at::Tensor& panels, con
   const float *sp = scale.data_ptr<float>(), *bp = optional_ptr(bias, n), *rp = optional_ptr(residual, m * n);
   float* yp = y.data_ptr<float>();
   const int64_t stride = kPanel * k;
-  for_each_panel_tile(reinterpret_cast<const uint8_t*>(w), n / kPanel, stride, k, m, kInt8PanelRows,
-                      [&](int rows, int64_t p, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
-    const int8_t* panel = w + p * stride;
+  for_each_panel_tile(reinterpret_cast<const uint8_t*>(w), n / kPanel, stride, k, m, kInt8PanelRows, true,
+                      [&](int rows, int64_t p, int64_t q, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
+    const int8_t* panel[2] = {w + p * stride, w + q * stride};
+    const int64_t col0[2] = {p * kPanel, q * kPanel};
     float* yr = yp + row0 * n;
     const float* rr = rp ? rp + row0 * n : nullptr;
+    if (q >= 0) {  // one row, two streams
+      int8_panel_tile<1, 2>(panel, k, xr, row0, yr, n, col0, sp, bp, rr, nullptr, 0); return;
+    }
     switch (rows) {
 #define VERISPEC_TILE(R) \
-  case R: int8_panel_tile<R>(panel, k, xr, row0, yr, n, p * kPanel, sp, bp, rr, fetch_end, ahead); return;
+  case R: int8_panel_tile<R, 1>(panel, k, xr, row0, yr, n, col0, sp, bp, rr, fetch_end, ahead); return;
       VERISPEC_TILE(1) VERISPEC_TILE(2) VERISPEC_TILE(3) VERISPEC_TILE(4) VERISPEC_TILE(5)
       VERISPEC_TILE(6) VERISPEC_TILE(7) VERISPEC_TILE(8) VERISPEC_TILE(9) VERISPEC_TILE(10)
 #undef VERISPEC_TILE
@@ -1200,28 +1267,44 @@ at::Tensor attention(const at::Tensor& qkv, at::Tensor kcache, at::Tensor vcache
 
 // Reads every byte of a float32 tensor (sums it): the best read bandwidth these kernels see.
 // With `prefetch`, each thread fetches its stream stream_prefetch() bytes ahead as the panel
-// kernels do, so the reference is never slower than the products measured against it.
-double stream_sum(const at::Tensor& t, bool prefetch) {
+// kernels do; with `streams` = 2, each thread reads the two halves of its piece side by side,
+// as the panel kernels do for few rows. So the reference is never slower than the products
+// measured against it.
+constexpr int64_t kSumStep = 2 * kLanes;  // floats per stream and step: two vectors
+
+// the sum of steps [from, to) of p, read as S consecutive runs side by side
+template <int S>
+float sum_piece(const float* p, int64_t from, int64_t to, int64_t ahead) {
+  const int64_t run = (to - from) / S;
+  vfloat a[S], b[S];
+  for (int s = 0; s < S; ++s) a[s] = b[s] = vzero();
+  for (int64_t i = 0; i < run; ++i)
+    for (int s = 0; s < S; ++s) {
+      const float* q = p + (from + s * run + i) * kSumStep;
+      if (ahead)
+        for (int line = 0; line < kSumStep * 4; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(q) + ahead + line, _MM_HINT_T0);
+      a[s] = vadd(a[s], vload(q));
+      b[s] = vadd(b[s], vload(q + kLanes));
+    }
+  for (int64_t i = from + run * S; i < to; ++i) {  // what an uneven split leaves
+    a[0] = vadd(a[0], vload(p + i * kSumStep));
+    b[0] = vadd(b[0], vload(p + i * kSumStep + kLanes));
+  }
+  vfloat total = vzero();
+  for (int s = 0; s < S; ++s) total = vadd(total, vadd(a[s], b[s]));
+  return vsum(total);
+}
+
+double stream_sum(const at::Tensor& t, bool prefetch, int64_t streams) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "a contiguous float32 tensor expected");
+  TORCH_CHECK(streams == 1 || streams == 2, "1 or 2 streams per thread, not ", streams);
   const float* p = t.data_ptr<float>();
-  const int64_t n = t.numel() / (4 * kLanes) * (4 * kLanes);
-  const int64_t steps = n / (4 * kLanes), chunk = 1 << 16, ahead = stream_prefetch();
-  prefetch = prefetch && ahead > 0;
+  const int64_t steps = t.numel() / kSumStep, chunk = 1 << 16, ahead = prefetch ? stream_prefetch() : 0;
   std::vector<double> partial((steps + chunk - 1) / chunk, 0.0);
   parallel_range(partial.size(), 1, [&](int64_t first, int64_t last) {
-    for (int64_t c = first; c < last; ++c) {
-      vfloat a = vzero(), b = vzero(), d = vzero(), e = vzero();
-      for (int64_t i = c * chunk; i < std::min(steps, (c + 1) * chunk); ++i) {
-        const float* q = p + i * 4 * kLanes;
-        if (prefetch)
-          for (int line = 0; line < 4 * kLanes * 4; line += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(q) + ahead + line, _MM_HINT_T0);
-        a = vadd(a, vload(q));
-        b = vadd(b, vload(q + kLanes));
-        d = vadd(d, vload(q + 2 * kLanes));
-        e = vadd(e, vload(q + 3 * kLanes));
-      }
-      partial[c] = vsum(vadd(vadd(a, b), vadd(d, e)));
-    }
+    const int64_t from = first * chunk, to = std::min(steps, last * chunk);
+    partial[first] = streams == 2 ? sum_piece<2>(p, from, to, ahead) : sum_piece<1>(p, from, to, ahead);
   });
   double total = 0.0;
   for (double v : partial) total += v;
@@ -1360,6 +1443,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_stream_prefetch", &set_stream_prefetch,
         "how many bytes ahead the panel kernels fetch each thread's stream (0: leave it to the hardware)");
   m.def("stream_prefetch", &stream_prefetch, "the panel kernels' prefetch distance in bytes");
-  m.def("stream_sum", &stream_sum, "sum of a float32 tensor, read once", py::arg("t"), py::arg("prefetch") = false);
+  m.def("set_panel_streams", &set_panel_streams, "streams each thread reads side by side in few-row products (1 or 2)");
+  m.def("panel_streams", &panel_streams, "streams each thread reads side by side in few-row products");
+  m.def("stream_sum", &stream_sum, "sum of a float32 tensor, read once", py::arg("t"), py::arg("prefetch") = false,
+        py::arg("streams") = 1);
   m.attr("lanes") = kLanes;
 }
