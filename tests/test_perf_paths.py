@@ -17,8 +17,9 @@ import tiny
 from verispec import kernels
 from verispec.generate import generate
 from verispec.loading import load_model
-from verispec.quant import (FORMATS, FloatLinear, Int4Linear, Int8Linear, from_panels, fuse, int4_from_gguf,
-                            int4_from_panels, int4_to_float, round_activations, to_panels, weight_bytes)
+from verispec.quant import (FORMATS, FloatLinear, Int4Linear, Int8Linear, PackedLinear, from_panels, fuse,
+                            int4_from_gguf, int4_from_panels, int4_to_float, round_activations, to_panels,
+                            weight_bytes)
 
 PROMPT = "the cat sat on the mat. the cat"
 REPO = Path(__file__).resolve().parents[1]
@@ -339,6 +340,37 @@ def test_two_streams_per_thread_change_speed_only():
     exact = float(t[:t.numel() // 32 * 32].double().sum())
     for prefetch, streams in ((False, 1), (True, 1), (False, 2)):
         assert k.stream_sum(t, prefetch, streams) == pytest.approx(exact, abs=1e-2)
+
+
+def _panel_layers(loaded) -> list[PackedLinear]:
+    return [m for m in loaded.model.modules() if isinstance(m, PackedLinear) and m.panels is not None]
+
+
+@needs_float_panels
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", pytest.param("int8", marks=needs_int8_panels),
+                                 pytest.param("int4", marks=needs_vnni)])
+def test_a_loaded_model_keeps_its_panels_in_one_buffer_in_the_order_they_run(folder, fmt, monkeypatch):
+    loaded = _load(folder, fmt)
+    layers = _panel_layers(loaded)
+    # q/k/v, o, gate/up and down of every layer; the output layer too if its rows fill panels
+    config = loaded.config
+    assert len(layers) == 4 * config.num_hidden_layers + (config.vocab_size % 16 == 0)
+    assert len({m.panels.untyped_storage().data_ptr() for m in layers}) == 1
+    starts = [m.panels.data_ptr() for m in layers]
+    ends = [m.panels.data_ptr() + m.panels.numel() * m.panels.element_size() for m in layers]
+    assert all(start % 64 == 0 for start in starts)
+    assert all(end <= start for end, start in zip(ends, starts[1:]))  # in module order, apart
+    # the same panels and tokens as layers that switch one by one, on first use
+    import verispec.quant
+    monkeypatch.setattr(verispec.quant, "panels_in_one_buffer", lambda model, kernels: None)
+    lazy = _load(folder, fmt)
+    assert not _panel_layers(lazy)
+    tokens = generate(lazy, PROMPT, max_tokens=12, ignore_eos=True).token_ids
+    assert generate(loaded, PROMPT, max_tokens=12, ignore_eos=True).token_ids == tokens
+    lazy_layers = _panel_layers(lazy)
+    assert len(lazy_layers) == len(layers)
+    assert all(torch.equal(a.panels, b.panels) for a, b in zip(layers, lazy_layers))
+    assert len({m.panels.untyped_storage().data_ptr() for m in lazy_layers}) == len(layers)
 
 
 def _layer(fmt: str, rows: int, cols: int, seed: int):

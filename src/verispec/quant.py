@@ -30,6 +30,7 @@ reference; other CPUs keep the float32 int4 kernel.
 
 from __future__ import annotations
 
+import math
 from abc import ABCMeta, abstractmethod
 from collections.abc import Sequence
 
@@ -44,6 +45,7 @@ FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GROUP = 32  # int4 group size along the input features
 PANEL = 16  # output columns per panel of the panel layouts
+INT4_PANEL_GROUP_BYTES = 64 + 256  # per panel and group of 32 in int4's panels: scales and offsets, nibbles
 KERNEL_MAX_ROWS = 64  # more rows (a long prompt) go to a dense GEMM instead
 
 
@@ -95,12 +97,24 @@ class PackedLinear(nn.Module, metaclass=ABCMeta):
     def canonical_from_panels(self) -> tuple[torch.Tensor, ...]:
         """The CANONICAL tensors, rebuilt from `panels`."""
 
-    def _use_panels(self, kernels) -> None:
-        """Switch to the panel layout, once, where the kernels have it."""
-        if (self.PANEL_KERNEL and getattr(self, "panels", None) is None and kernels is not None
-                and hasattr(kernels, self.PANEL_KERNEL) and self.out_features % PANEL == 0
-                and self.in_features % GROUP == 0 and getattr(self, self.CANONICAL[0]).device.type == "cpu"):
-            self.panels = self.make_panels(kernels)
+    @abstractmethod
+    def panel_shape(self) -> tuple[tuple[int, ...], torch.dtype]:
+        """The shape and type of `make_panels`' result."""
+
+    def panels_apply(self, kernels) -> bool:
+        """Whether the layer would switch to the panel layout now."""
+        return bool(self.PANEL_KERNEL and getattr(self, "panels", None) is None and kernels is not None
+                    and hasattr(kernels, self.PANEL_KERNEL) and self.out_features % PANEL == 0
+                    and self.in_features % GROUP == 0 and getattr(self, self.CANONICAL[0]).device.type == "cpu")
+
+    def _use_panels(self, kernels, into: torch.Tensor | None = None) -> None:
+        """Switch to the panel layout, once, where the kernels have it (stored in `into`,
+        a tensor of `panel_shape()`, if given)."""
+        if self.panels_apply(kernels):
+            panels = self.make_panels(kernels)
+            if into is not None:
+                panels = into.copy_(panels)
+            self.panels = panels
             for name in self.CANONICAL:
                 setattr(self, name, None)
             self.STORED, self.KERNEL = self.PANEL_STORED, self.PANEL_KERNEL
@@ -165,6 +179,9 @@ class FloatLinear(PackedLinear):
 
     def make_panels(self, kernels):
         return to_panels(self.weight)
+
+    def panel_shape(self):
+        return panel_shape(self.out_features, self.in_features, self.weight.dtype), self.weight.dtype
 
     def canonical_from_panels(self):
         return (from_panels(self.panels),)
@@ -247,6 +264,9 @@ class Int8Linear(PackedLinear):
     def make_panels(self, kernels):
         return to_panels(self.weight)
 
+    def panel_shape(self):
+        return panel_shape(self.out_features, self.in_features, torch.int8), torch.int8
+
     def canonical_from_panels(self):
         return (from_panels(self.panels),)
 
@@ -300,6 +320,9 @@ class Int4Linear(PackedLinear):
     def make_panels(self, kernels):
         return kernels.int4_to_panels(self.nibbles, self.scales)
 
+    def panel_shape(self):
+        return (self.out_features // PANEL, self.in_features // GROUP, INT4_PANEL_GROUP_BYTES), torch.uint8
+
     def canonical_from_panels(self):
         return int4_from_panels(self.panels)
 
@@ -319,6 +342,12 @@ class Int4Linear(PackedLinear):
 
 
 # ------------------------------------------------------------------ panel layouts
+
+def panel_shape(out_features: int, in_features: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """The shape `to_panels` gives a weight [out_features, in_features] of `dtype`."""
+    per_dword = 4 // dtype.itemsize
+    return out_features // PANEL, in_features // per_dword, PANEL, per_dword
+
 
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] -> [out/16, in/L, 16, L], L = 4 bytes / element size: each 64-byte line holds
@@ -504,6 +533,29 @@ def quantize_model(model: nn.Module, fmt: str, gguf_tensors: dict | None = None)
     from verispec.fast import attach_fast_path
     attach_fast_path(model)
     return model
+
+
+def panels_in_one_buffer(model: nn.Module, kernels) -> None:
+    """Switch every packed layer that has a panel layout to it now, all panels in one buffer,
+    in the order the layers run.
+
+    torch backs a buffer of 2 MB or more with huge pages (`import verispec` asks it to), but
+    only the whole 2 MB pages inside it: a buffer per layer left each one's last part on 4 KB
+    pages, a third of a 1.5B model's 3 MB q/k/v product, which the kernels read up to a tenth
+    slower (benchmarks/weight_streams.py: panels-4k). In one buffer all but the last 2 MB sit
+    on huge pages, and one step reads it from start to end."""
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.panels_apply(kernels)]
+    if not layers:
+        return
+    specs = [m.panel_shape() for m in layers]
+    offsets, total = [], 0
+    for shape, dtype in specs:
+        offsets.append(total)
+        total += -(-math.prod(shape) * dtype.itemsize // 64) * 64  # each starts on a cache line
+    buffer = torch.empty(total, dtype=torch.uint8)
+    for layer, (shape, dtype), offset in zip(layers, specs, offsets):
+        size = math.prod(shape) * dtype.itemsize
+        layer._use_panels(kernels, into=buffer[offset:offset + size].view(dtype).view(shape))
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -82,7 +82,7 @@ def settle_in_memory(model: nn.Module, mapped: set[int]) -> None:
     """Leave a packed CPU model holding each weight once, in memory of its own.
 
     The packed layers switch to the kernels' layout now rather than on first use, straight
-    from wherever their tensors are. Tensors
+    from wherever their tensors are, into one buffer (`quant.panels_in_one_buffer`). Tensors
     still in a file's memory map (`mapped`: their storages' data pointers) are then copied
     out, aliases staying aliases, so the map closes: while any tensor points into it, every
     page once read stays in the resident set (the 1.5B model in bfloat16 from the weight
@@ -90,11 +90,10 @@ def settle_in_memory(model: nn.Module, mapped: set[int]) -> None:
     back the heap pages loading freed, which it otherwise keeps resident."""
     import ctypes
 
-    from verispec.quant import PackedLinear
+    from verispec.kernels import cpu_kernels
+    from verispec.quant import panels_in_one_buffer
 
-    for module in model.modules():
-        if isinstance(module, PackedLinear):
-            module.kernel_ready()  # switches to the panel layout where the kernels have one
+    panels_in_one_buffer(model, cpu_kernels())
     copies: dict[tuple, torch.Tensor] = {}
 
     def owned(tensor: torch.Tensor) -> torch.Tensor:
