@@ -6,10 +6,9 @@
 Each format is loaded twice: as `load_model` leaves it, every layer's panels in one buffer
 (`quant.panels_in_one_buffer`), and with each layer's panels in a buffer of its own (as
 layers switched to panels on first use before), whose last part lies on 4 KB pages. Each
-copy runs one-row forward passes (a plain decoding step, without sampling) with the
-threads reading their panels as one stream each (pieces of a product taken in turn from a
-shared counter, fetched ahead in software) and as two streams each (a region per thread,
-its halves read side by side: `set_panel_streams`). The four ways take turns step by step
+copy runs one-row forward passes (a plain decoding step, without sampling) with each
+thread reading its region of the panels as one stream, fetched ahead in software, and as
+two streams, its halves side by side (`set_panel_streams`). The four ways take turns step by step
 within each round, and each round sits between two read-bandwidth measurements. A way's
 utilisation in a round is bytes of weights read per second over the higher of the two;
 the figures are medians over the rounds whose two measurements agree within 10%, given

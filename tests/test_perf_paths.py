@@ -311,25 +311,28 @@ def test_the_prefetch_distance_changes_speed_only():
 
 
 @needs_int8_panels
-def test_two_streams_per_thread_change_speed_only():
-    """One-row int8 and int4 products read each thread's region of panels as two streams side
-    by side: the same sums as one stream (111 panels: two regions, of odd and even length)."""
+def test_one_row_products_read_by_region_give_the_rows_of_a_longer_pass():
+    """A one-row product reads one region of panels per thread (int8 and int4 as two streams
+    side by side, or one): the very rows a three-row pass gives (111 panels: two regions, of
+    odd and even length)."""
     k = kernels.cpu_kernels()
     gen = torch.Generator().manual_seed(14)
-    int8 = Int8Linear.from_float(torch.randn(16 * 111, 256, generator=gen), torch.randn(16 * 111, generator=gen))
-    int4, _, _ = _int4_layer(16 * 111, 256, seed=15)
+    n = 16 * 111
+    int8 = Int8Linear.from_float(torch.randn(n, 256, generator=gen), torch.randn(n, generator=gen))
+    int4, _, _ = _int4_layer(n, 256, seed=15)
     panels8, panels4 = to_panels(int8.weight), k.int4_to_panels(int4.nibbles, int4.scales)
-    x, residual = _rows(256, seed=16, count=3), torch.randn(3, 16 * 111, generator=gen)
+    floats = {dtype: to_panels(torch.randn(n, 256, generator=gen).to(dtype)) for dtype in (torch.float32, torch.bfloat16)}
+    products = [lambda x, r: k.linear_int8_panels(x, panels8, int8.scale, int8.bias, r),
+                lambda x, r: k.linear_int4_panels(x, panels4, int4.bias, r),
+                *[lambda x, r, p=p: k.linear_float_panels(x, p, None, r) for p in floats.values()]]
+    x, residual = _rows(256, seed=16, count=3), torch.randn(3, n, generator=gen)
     default = k.panel_streams()
     try:
-        outputs = {}
         for streams in (1, 2):
             k.set_panel_streams(streams)
-            outputs[streams] = [k.linear_int8_panels(x[i:i + 1], panels8, int8.scale, int8.bias, residual[i:i + 1])
-                                for i in range(3)]
-            outputs[streams] += [k.linear_int4_panels(x[i:i + 1], panels4, int4.bias, residual[i:i + 1])
-                                 for i in range(3)]
-        assert all(torch.equal(a, b) for a, b in zip(outputs[1], outputs[2]))
+            for product in products:
+                rows = product(x, residual)
+                assert all(torch.equal(product(x[i:i + 1], residual[i:i + 1]), rows[i:i + 1]) for i in range(3))
         with pytest.raises(RuntimeError, match="1 or 2 streams"):
             k.set_panel_streams(3)
     finally:

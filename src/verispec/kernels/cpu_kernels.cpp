@@ -187,32 +187,53 @@ void set_panel_streams(int64_t streams) {
   g_panel_streams.store(static_cast<int>(streams), std::memory_order_relaxed);
 }
 
-// threads for a paired product: products under 128 KB per thread run on fewer threads
-inline int64_t pair_threads(int64_t count, int64_t stride) {
+// A one-row product reads one region of the panels per thread. Each thread takes pieces of
+// about 64 KB from the front of its own region, so that its reads stay unbroken streams,
+// and then from the other regions' fronts once its own is done: balanced to a piece, with
+// one start per stream when no thread falls behind. (Pieces taken in turn from a shared
+// counter restarted the streams at every piece; each start costs the memory's latency
+// before the prefetcher is ahead again.) Products under 128 KB per thread use fewer threads.
+//
+// body(task, lo, hi, begin, end): units [begin, end) of region [lo, hi), which has
+// units(lo, hi), for task `task` (one per thread, in [0, threads))
+template <class Units, class Body>
+void for_each_region_piece(int64_t count, int64_t stride, int64_t unit_panels, const Units& units, const Body& body) {
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, stride));
-  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count / (2 * grain)));
-}
-
-// pair(p, q) for panels [0, count) read as two streams per thread: one region per thread,
-// whose first half is read beside its second (q = -1 where an odd region leaves p alone).
-// Each thread takes pieces from the front of its own region, so it reads two unbroken
-// streams, and then from the other regions' fronts once its own is done: balanced to a
-// piece, with two stream starts per thread when none falls behind. (Pieces taken in turn
-// from a shared counter restarted both streams at every piece; each start costs the
-// memory's latency before the prefetcher is ahead again.)
-
-template <class Pair>
-void for_each_panel_pair(int64_t count, int64_t stride, const Pair& pair) {
-  const int64_t threads = pair_threads(count, stride);
-  const int64_t piece = std::max<int64_t>(1, (1 << 16) / (2 * stride));  // pairs taken at a time: ~64 KB
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count / (2 * grain)));
+  const int64_t piece = std::max<int64_t>(1, grain / unit_panels);
   struct alignas(64) Cursor { std::atomic<int64_t> next{0}; };
   std::vector<Cursor> cursors(threads);
   WorkPool::instance().run(threads, [&](int64_t first) {
     for (int64_t visited = 0, r = first; visited < threads; ++visited, r = (r + 1) % threads) {
-      const int64_t lo = count * r / threads, hi = count * (r + 1) / threads, half = (hi - lo + 1) / 2;
-      for (int64_t j; (j = cursors[r].next.fetch_add(piece, std::memory_order_relaxed)) < half;)
-        for (int64_t i = j; i < std::min(half, j + piece); ++i) pair(lo + i, lo + half + i < hi ? lo + half + i : -1);
+      const int64_t lo = count * r / threads, hi = count * (r + 1) / threads, n = units(lo, hi);
+      for (int64_t j; (j = cursors[r].next.fetch_add(piece, std::memory_order_relaxed)) < n;)
+        body(first, lo, hi, j, std::min(n, j + piece));
     }
+  });
+}
+
+// pair(p, q): each region read as two streams, its first half beside its second (q = -1
+// where an odd region leaves p alone)
+template <class Pair>
+void for_each_panel_pair(int64_t count, int64_t stride, const Pair& pair) {
+  for_each_region_piece(count, stride, 2, [](int64_t lo, int64_t hi) { return (hi - lo + 1) / 2; },
+                        [&](int64_t, int64_t lo, int64_t hi, int64_t begin, int64_t end) {
+    const int64_t half = (hi - lo + 1) / 2;
+    for (int64_t i = begin; i < end; ++i) pair(lo + i, lo + half + i < hi ? lo + half + i : -1);
+  });
+}
+
+// one(p, fetch_end): each region read as one stream fetched `ahead` bytes ahead (fetch_end:
+// the region's end), fetched from its start again only where a thread's pieces break off
+template <class One>
+void for_each_panel_region(const uint8_t* panels, int64_t count, int64_t stride, int64_t ahead, const One& one) {
+  std::vector<const uint8_t*> last(at::get_num_threads() + 1, nullptr);  // where each task's last piece ended
+  for_each_region_piece(count, stride, 1, [](int64_t lo, int64_t hi) { return hi - lo; },
+                        [&](int64_t task, int64_t lo, int64_t hi, int64_t begin, int64_t end) {
+    const uint8_t *from = panels + (lo + begin) * stride, *fetch_end = ahead ? panels + hi * stride : nullptr;
+    if (ahead && from != last[task]) prefetch_lines(from, from + ahead, fetch_end);
+    last[task] = panels + (lo + end) * stride;
+    for (int64_t p = lo + begin; p < lo + end; ++p) one(p, fetch_end);
   });
 }
 
@@ -221,11 +242,12 @@ void for_each_panel_pair(int64_t count, int64_t stride, const Pair& pair) {
 // 10 + 7). tile(rows, p, q, row0, fetch_end, ahead) computes rows [row0, row0 + rows) of
 // panel p, and of panel q too when q >= 0.
 //
-// With `pairs` (the integer formats) and one row, the panels go pair by pair to
-// `for_each_panel_pair`, read by the hardware prefetcher alone (software prefetching two
-// streams read less). Otherwise each thread's pieces are one stream fetched
-// `stream_prefetch()` bytes ahead, and only each panel's first tile fetches. (With more
-// rows, or float weights, two streams read no more on this class of machine.)
+// A one-row product (a plain decoding step) reads one region per thread: with `pairs` (the
+// integer formats) as two streams, by the hardware prefetcher alone (software prefetching
+// two streams read less), otherwise as one stream fetched `stream_prefetch()` bytes ahead
+// (two read no more for float weights on this class of machine). With more rows, each
+// thread takes pieces of about an eighth of its share from a shared counter, each piece a
+// stream fetched ahead, and only each panel's first tile fetches.
 template <class Tile>
 void for_each_panel_tile(const uint8_t* panels, int64_t count, int64_t stride, int64_t k, int64_t m,
                          int max_rows, bool pairs, const Tile& tile) {
@@ -233,6 +255,13 @@ void for_each_panel_tile(const uint8_t* panels, int64_t count, int64_t stride, i
   const bool paired = pairs && m == 1 && panel_streams() == 2;
   if (paired) {
     for_each_panel_pair(count, stride, [&](int64_t p, int64_t q) { tile(1, p, q, 0, nullptr, 0); });
+    return;
+  }
+  if (m == 1) {
+    const int64_t ahead = stream_prefetch();
+    for_each_panel_region(panels, count, stride, ahead, [&](int64_t p, const uint8_t* fetch_end) {
+      tile(1, p, -1, 0, fetch_end, ahead);
+    });
     return;
   }
   // small products run on one thread: waking the others would cost more than it saves
