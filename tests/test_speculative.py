@@ -14,6 +14,7 @@ from verispec.events import Finished, Token
 from verispec.generate import generate, stream
 from verispec.loading import LoadedModel, load_model
 from verispec.models.dense import CausalLM
+from verispec.sampling import greedy_token, greedy_tokens
 from verispec.spec.prompt_lookup import PromptLookupProposer
 
 PROMPT = "the cat sat on the mat. the cat sat on the"
@@ -187,6 +188,20 @@ def exact_distribution(model: LoadedModel, prompt: list[int], steps: int, params
                     grown[prefix + (token,)] = p * q
         dist = grown
     return dist
+
+
+def test_greedy_tokens_are_torch_argmax_including_ties():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 1000, generator=gen)
+    logits[1, 7] = logits[1, 900] = logits[1].max() + 1  # a tie: the first index wins, as in torch
+    logits[2, :] = 0.0
+    assert greedy_tokens(logits) == logits.argmax(-1).tolist()
+    assert greedy_tokens(logits)[1:3] == [7, 0]
+    sliced = logits[:, :600]  # rows of a view, as a draft's logits cut to the target's vocabulary
+    assert greedy_tokens(sliced) == sliced.argmax(-1).tolist()
+    assert [greedy_token(row) for row in logits] == logits.argmax(-1).tolist()
+    halves = logits.to(torch.bfloat16)  # other types take torch's own argmax
+    assert greedy_tokens(halves) == halves.argmax(-1).tolist()
 
 
 def test_speculative_sampling_follows_the_target_distribution():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from verispec.errors import VerispecError
@@ -68,6 +69,21 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The argmax of each row of [rows, vocab] logits: the first of equal maxima, as
+    torch.argmax gives it. Float32 logits on the CPU go through NumPy: torch's argmax over a
+    150k vocabulary takes ~90 µs (more when its threads must wake), NumPy's ~8 µs, and a
+    plain step of the 1.5B target in int4 takes 15 ms."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return np.asarray(logits.detach()).argmax(-1).tolist()
+    return logits.argmax(-1).tolist()
+
+
+def greedy_token(logits: torch.Tensor) -> int:
+    """The argmax of one row of logits."""
+    return greedy_tokens(logits.reshape(1, -1))[0]
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
@@ -75,5 +91,5 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from one row of logits."""
     if params.greedy:
-        return int(logits.argmax())
+        return greedy_token(logits)
     return sample(probabilities(logits, params), generator)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.sampling import SamplingParams, probabilities
+from verispec.sampling import SamplingParams, greedy_token, probabilities
 from verispec.spec.proposer import Proposal
 
 
@@ -73,7 +73,7 @@ class DraftModelProposer:
         for i in range(gamma):
             logits = self.model(feed, self.cache, last_only=True)[0, -1, :self.vocab_limit]
             if params.greedy:
-                token = int(logits.argmax())
+                token = greedy_token(logits)
             else:
                 probs = probabilities(logits, params)
                 token = int(torch.multinomial(probs, 1, generator=generator))

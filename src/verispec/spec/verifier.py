@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.sampling import SamplingParams, probabilities
+from verispec.sampling import SamplingParams, greedy_tokens, probabilities
 
 
 @dataclass
@@ -27,7 +27,7 @@ class Verdict:
 
 def verify_greedy(target_logits: torch.Tensor, drafts: list[int]) -> Verdict:
     """Keep drafts while each equals the target's argmax."""
-    choices = target_logits.argmax(-1).tolist()
+    choices = greedy_tokens(target_logits)
     for i, draft in enumerate(drafts):
         if choices[i] != draft:
             return Verdict(i, choices[i], bonus=False)
