@@ -10,7 +10,7 @@ import torch
 import tiny
 from verispec.config import ModelConfig
 from verispec.errors import TokenizerMismatchError
-from verispec.events import Finished, Token
+from verispec.events import Token
 from verispec.generate import generate, stream
 from verispec.loading import LoadedModel, load_model
 from verispec.models.dense import CausalLM

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from verispec.commands.options import add_slack_option
 
 
@@ -19,8 +21,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from pathlib import Path
-
     from rich.console import Console
 
     from verispec.lab.report import build_report, print_tables

@@ -99,7 +99,6 @@ def measure_bandwidth(size_bytes: int = 512 * 2**20, repeats: int = 5, device: s
     dst = torch.empty_like(src)
     copy_s = _median_time(lambda: dst.copy_(src), repeats, dev)
     read_s = _median_time(lambda: src.sum(), repeats, dev)
-    del src, dst
     return 2 * size_bytes / copy_s, size_bytes / read_s
 
 
