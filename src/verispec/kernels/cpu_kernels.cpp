@@ -44,6 +44,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -174,6 +175,17 @@ inline void prefetch_lines(const uint8_t* from, const uint8_t* to, const uint8_t
 }
 
 constexpr int kPanel = 16;  // output columns per panel, in every panel layout
+
+// fn(std::integral_constant<int, R>{}) for R = rows in [1, Max]: a panel tile's row count
+// is a template argument (each size keeps its own register allocation), chosen here at run time
+template <int Max, class Fn, int... R>
+inline void with_rows(int rows, const Fn& fn, std::integer_sequence<int, R...>) {
+  (void)((rows == R + 1 ? (fn(std::integral_constant<int, R + 1>{}), true) : false) || ...);
+}
+template <int Max, class Fn>
+inline void with_rows(int rows, const Fn& fn) {
+  with_rows<Max>(rows, fn, std::make_integer_sequence<int, Max>{});
+}
 
 // How many streams each thread reads side by side in a one-row integer product: 2 unless
 // `set_panel_streams` changes it. One core's hardware prefetcher keeps more of memory in
@@ -790,18 +802,11 @@ void matmul_panels(const uint8_t* panels, int64_t n, int64_t k, const float* x, 
     const int64_t col0[2] = {p * kPanel, q * kPanel};
     float* yr = y + row0 * n;
     const float* rr = residual ? residual + row0 * n : nullptr;
-    if (q >= 0) {  // one row, two streams
-      panel_tile<1, 2>(panel, groups, xr, row0, k, yr, n, col0, bias, rr, nullptr, 0); return;
-    }
-    switch (rows) {
-#define VERISPEC_TILE(R) \
-  case R: panel_tile<R, 1>(panel, groups, xr, row0, k, yr, n, col0, bias, rr, fetch_end, ahead); return;
-      VERISPEC_TILE(1) VERISPEC_TILE(2) VERISPEC_TILE(3) VERISPEC_TILE(4) VERISPEC_TILE(5)
-      VERISPEC_TILE(6) VERISPEC_TILE(7) VERISPEC_TILE(8) VERISPEC_TILE(9) VERISPEC_TILE(10)
-#undef VERISPEC_TILE
-    }
+    if (q >= 0) return panel_tile<1, 2>(panel, groups, xr, row0, k, yr, n, col0, bias, rr, nullptr, 0);  // two streams
+    with_rows<kPanelRows>(rows, [&](auto r) {
+      panel_tile<decltype(r)::value, 1>(panel, groups, xr, row0, k, yr, n, col0, bias, rr, fetch_end, ahead);
+    });
   });
-  static_assert(kPanelRows == 10, "one case per tile size");
 }
 
 // ------------------------------------------------------------------ bindings: panels
@@ -960,14 +965,10 @@ void matmul_float_panels(const uint8_t* panels, int64_t n, int64_t k, const floa
     const float* xr = x + row0 * k;
     float* yr = y + row0 * n;
     const float* rr = residual ? residual + row0 * n : nullptr;
-    switch (rows) {
-#define VERISPEC_TILE(R) \
-  case R: float_panel_tile<P, R>(panel, k, xr, yr, n, p * kPanel, bias, rr, fetch_end, ahead); return;
-      VERISPEC_TILE(1) VERISPEC_TILE(2) VERISPEC_TILE(3) VERISPEC_TILE(4) VERISPEC_TILE(5) VERISPEC_TILE(6)
-#undef VERISPEC_TILE
-    }
+    with_rows<kFloatPanelRows>(rows, [&](auto r) {
+      float_panel_tile<P, decltype(r)::value>(panel, k, xr, yr, n, p * kPanel, bias, rr, fetch_end, ahead);
+    });
   });
-  static_assert(kFloatPanelRows == 6, "one case per tile size");
 }
 
 // x [m, k] @ W^T for W in the panel layout [n/16, k/L, 16, L] (float32, bfloat16 or float16)
@@ -1108,16 +1109,10 @@ at::Tensor linear_int8_panels(const at::Tensor& x, const at::Tensor& panels, con
     const int64_t col0[2] = {p * kPanel, q * kPanel};
     float* yr = yp + row0 * n;
     const float* rr = rp ? rp + row0 * n : nullptr;
-    if (q >= 0) {  // one row, two streams
-      int8_panel_tile<1, 2>(panel, k, xr, row0, yr, n, col0, sp, bp, rr, nullptr, 0); return;
-    }
-    switch (rows) {
-#define VERISPEC_TILE(R) \
-  case R: int8_panel_tile<R, 1>(panel, k, xr, row0, yr, n, col0, sp, bp, rr, fetch_end, ahead); return;
-      VERISPEC_TILE(1) VERISPEC_TILE(2) VERISPEC_TILE(3) VERISPEC_TILE(4) VERISPEC_TILE(5)
-      VERISPEC_TILE(6) VERISPEC_TILE(7) VERISPEC_TILE(8) VERISPEC_TILE(9) VERISPEC_TILE(10)
-#undef VERISPEC_TILE
-    }
+    if (q >= 0) return int8_panel_tile<1, 2>(panel, k, xr, row0, yr, n, col0, sp, bp, rr, nullptr, 0);  // two streams
+    with_rows<kInt8PanelRows>(rows, [&](auto r) {
+      int8_panel_tile<decltype(r)::value, 1>(panel, k, xr, row0, yr, n, col0, sp, bp, rr, fetch_end, ahead);
+    });
   });
   return y;
 }
