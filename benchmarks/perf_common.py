@@ -61,6 +61,18 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5, keep: bool = False) -> fl
     return best
 
 
+def panel_kernels():
+    """The compiled kernels, or None (and a line saying why) where they lack the integer panel
+    kernels, which need AVX-512 VNNI."""
+    from verispec.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None or not hasattr(kernels, "linear_int8_panels"):
+        print("the panel kernels are not built on this machine (they need AVX-512 VNNI)")
+        return None
+    return kernels
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 

@@ -24,7 +24,7 @@ import time
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
 
-from perf_common import free, machine_load, median, read_bandwidth, save, warn_if_busy
+from perf_common import free, machine_load, median, panel_kernels, read_bandwidth, save, warn_if_busy
 
 PROMPT = "def merge(a, b):\n    return sorted(a + b)\n"
 
@@ -104,11 +104,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10, help="steps per way and round")
     args = parser.parse_args()
 
-    from verispec.kernels import cpu_kernels
-
-    kernels = cpu_kernels()
-    if kernels is None or not hasattr(kernels, "set_panel_streams"):
-        print("the panel kernels are not built on this machine")
+    kernels = panel_kernels()
+    if kernels is None:
         return 1
     print(f"stream layout: {args.model}, {torch.get_num_threads()} threads, {machine_load()}")
     warn_if_busy()

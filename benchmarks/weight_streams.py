@@ -33,7 +33,7 @@ import time
 import verispec  # noqa: F401  (first: it sets how torch's threads wait and asks for huge pages)
 import torch
 
-from perf_common import machine_load, median, save, warn_if_busy
+from perf_common import machine_load, median, panel_kernels, save, warn_if_busy
 
 SHAPES = ((2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960))
 MADV_NOHUGEPAGE = 15
@@ -108,11 +108,8 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from verispec.kernels import cpu_kernels
-
-    kernels = cpu_kernels()
-    if kernels is None or not hasattr(kernels, "linear_int8_panels"):
-        print("the panel kernels are not built on this machine (they need AVX-512 VNNI)")
+    kernels = panel_kernels()
+    if kernels is None:
         return 1
     print(f"weight streams: {torch.get_num_threads()} threads, {machine_load()}")
     warn_if_busy()
@@ -136,8 +133,8 @@ def main() -> int:
                 name = f"panels x{streams}"
                 ways[name], settings[name] = panels, {**default, "streams": streams}
         buffer = torch.ones(nbytes // 4)
-        sums = {"sum": lambda: kernels.stream_sum(buffer), "sum-prefetch": lambda: kernels.stream_sum(buffer, True),
-                "sum x2": lambda: kernels.stream_sum(buffer, False, 2)}
+        sums = {"sum": lambda b=buffer: kernels.stream_sum(b), "sum-prefetch": lambda b=buffer: kernels.stream_sum(b, True),
+                "sum x2": lambda b=buffer: kernels.stream_sum(b, False, 2)}
         for m in args.rows:
             inputs = {k: torch.randn(m, k) for k in {k for _, k in SHAPES}}
             times: dict[str, list[float]] = {name: [] for name in [*ways, *sums]}
@@ -163,7 +160,7 @@ def main() -> int:
                          f"2 MB / 4 KB pages {rate['panels'] / rate['panels-4k']:.2f}, "
                          f"panels / best sum {rate['panels'] / max(rate[name] for name in sums):.2f}")
             print(line)
-        del ways, buffer
+        del ways, sums, buffer
     use(default)
     suffix = (f"_{args.threads}t" if args.threads else "") + ("_prefetch" if args.prefetch else "") \
         + ("_streams" if args.streams else "")
