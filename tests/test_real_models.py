@@ -68,3 +68,22 @@ def test_real_pair_speculation_reproduces_the_target(real_pair):
             report.append(f"{name}: {verdict.status} {verdict.reason}")
             assert verdict.valid, verdict.reason
     print("\n".join(report))  # shown with -s: the margin of any tie
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "smollm2-135m"])
+def test_streamed_text_is_the_whole_outputs_text_with_real_tokenizers(name):
+    """Token by token, TextAssembler hands out exactly what decoding the whole output gives."""
+    import random
+
+    from verispec.generate import TextAssembler
+    from verispec.loading import load_model
+
+    tokenizer = load_model(name).tokenizer
+    samples = ["def f(x):\n    return x  # naïve, 😀 über 数据", "  leading spaces\n\n\ttabs and émojis 🚀🚀"]
+    rng = random.Random(0)
+    ids_list = [tokenizer.encode(s, add_special_tokens=False) for s in samples]
+    ids_list += [[rng.randrange(tokenizer.vocab_size) for _ in range(64)] for _ in range(5)]
+    for ids in ids_list:
+        text = TextAssembler(tokenizer, ())
+        joined = "".join(text.add(i)[0] for i in ids) + text.flush()
+        assert joined == text.text == tokenizer.decode(ids), ids

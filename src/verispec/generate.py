@@ -34,38 +34,80 @@ READY_LAG = 32
 
 
 class TextAssembler:
-    """Turns tokens into printable text pieces, and finds stop strings across token borders."""
+    """Turns tokens into printable text pieces, and finds stop strings across token borders.
+
+    Each token costs the same whatever the length of the output: only a short window of
+    recent tokens is decoded, never the whole output. A decoder may treat the first token
+    of what it decodes apart (SentencePiece drops its leading space), so the window starts
+    at the tokens settled one step earlier, and what the newest tokens add to their text is
+    the new text (as in vLLM's incremental detokenizer). Text that could still grow into a
+    stop string is held back, so a stop string spanning several tokens is never printed.
+    """
 
     def __init__(self, tokenizer, stop: Sequence[str]):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.ids: list[int] = []
-        self.sent = 0  # characters already handed out
-        self.text = ""
+        self.window = 0  # ids[window:] are decoded together
+        self.settled = 0  # ids[:settled] have given their text
+        self.sent: list[str] = []  # pieces handed out
+        self.held = ""  # settled text not handed out: it may be the start of a stop string
+        self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """All text so far (up to a stop string), handed out or held back."""
+        return "".join(self.sent) + self.held
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """(new printable text, whether a stop string was completed)."""
         self.ids.append(token_id)
-        full = self.tokenizer.decode(self.ids)
-        if full.endswith("\ufffd"):
+        new = self._new_text()
+        if new is None:
             return "", False  # an incomplete UTF-8 sequence: wait for the next token
-        for s in self.stop:
-            at = full.find(s)
-            if at != -1:
-                self.text = full[:at]
-                piece = self.text[self.sent:]
-                self.sent = len(self.text)
-                return piece, True
-        self.text = full
-        hold = self._stop_prefix_len(full)
-        piece = full[self.sent:len(full) - hold]
-        self.sent += len(piece)
-        return piece, False
+        return self._take(new)
 
     def flush(self) -> str:
-        piece = self.text[self.sent:]
-        self.sent = len(self.text)
+        """The rest of the text: what was held back, and the text of tokens that end mid-character."""
+        if self.stopped:
+            return ""
+        new = self._new_text(final=True) if self.settled < len(self.ids) else ""
+        piece, stopped = self._take(new)
+        return piece + ("" if stopped else self._send(self.held, held=""))
+
+    def _take(self, new: str) -> tuple[str, bool]:
+        # Every stop string found so far ended the text, so one found now lies in what was
+        # held back (which holds every tail that is the start of a stop string) and the new text.
+        unsent = self.held + new
+        for s in self.stop:
+            at = unsent.find(s)
+            if at != -1:
+                self.stopped = True
+                return self._send(unsent[:at], held=""), True
+        hold = self._stop_prefix_len(unsent)
+        return self._send(unsent[:len(unsent) - hold], held=unsent[len(unsent) - hold:]), False
+
+    def _send(self, piece: str, held: str) -> str:
+        self.sent.append(piece)
+        self.held = held
         return piece
+
+    def _new_text(self, final: bool = False) -> str | None:
+        """The text the tokens after ids[:settled] add; None while it ends in a partial
+        character, unless `final` (no token follows)."""
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.window:self.settled])
+        after = decode(self.ids[self.window:])
+        if after.endswith("\ufffd") and not final:
+            return None
+        if after.startswith(before):
+            new = after[len(before):]
+        else:  # the decoder rewrote earlier text: take the whole output's text once
+            known = self.text
+            full = decode(self.ids)
+            new = full[len(known):]
+        self.window, self.settled = self.settled, len(self.ids)
+        return new
 
     def _stop_prefix_len(self, text: str) -> int:
         """Length of the longest tail of text that could still grow into a stop string."""
@@ -246,9 +288,10 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     decode_s = time.perf_counter() - decode_started
     timings = Timings(target.load_s, prefill_s, decode_s,
                       (len(out_ids) - 1) / decode_s if decode_s > 0 and len(out_ids) > 1 else 0.0)
+    tail = text.flush()
     result = GenerationResult(text.text, out_ids, origins, len(prompt_ids), finish, timings,
                               stats if proposer is not None else None)
-    yield Finished(result, tail=text.flush())
+    yield Finished(result, tail=tail)
 
 
 def _count(stats: SpecStats, drafts: list[int], verdict, emitted: int) -> None:
