@@ -10,6 +10,11 @@ threads only add wake-up cost at this size).
 Also the greedy choice every step, verification and draft step makes: the argmax of one row
 of Qwen2.5's 151,936 logits, by torch.argmax and by verispec's `greedy_tokens` (NumPy),
 taking turns, at the usual thread count.
+
+And the text every token adds to a streamed output (`TextAssembler`, with a byte-level
+tokenizer): its cost per token at 256 and at 4,096 tokens of output, against one decode
+of the whole 4,096-token output (what each token would cost if the whole output were
+decoded again every time).
 """
 
 from __future__ import annotations
@@ -72,6 +77,38 @@ def argmax_times(vocab: int = 151_936, calls: int = 200, rounds: int = 5) -> dic
     return {name: median(t) for name, t in times.items()}
 
 
+def byte_tokenizer():
+    """Byte-level BPE with no merges: one token per byte, as text in the worst case."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE({c: i for i, c in enumerate(sorted(alphabet))}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def text_times(lengths=(256, 4096), rounds: int = 5) -> dict[str, float]:
+    """Median seconds per token of TextAssembler.add over outputs of each length, and of
+    one decode of the longest output."""
+    from verispec.generate import TextAssembler
+
+    tok = byte_tokenizer()
+    ids = tok.encode("def merge(a, b):\n    return sorted(a + b)  # naïve 😀\n" * (max(lengths) // 40 + 1)).ids
+    times: dict[str, list[float]] = {}
+    for round_index in range(rounds + 1):
+        for n in lengths:
+            text = TextAssembler(tok, ["<|stop|>"])
+            started = time.perf_counter()
+            for token_id in ids[:n]:
+                text.add(token_id)
+            times.setdefault(f"add@{n}", []).append((time.perf_counter() - started) / n)
+        started = time.perf_counter()
+        tok.decode(ids[:max(lengths)])
+        times.setdefault(f"whole@{max(lengths)}", []).append(time.perf_counter() - started)
+    return {name: median(t[1:]) for name, t in times.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -95,7 +132,11 @@ def main() -> int:
     print(f"  greedy choice over 151,936 logits, {threads} threads: torch.argmax {argmax['torch.argmax'] * 1e6:.1f} µs, "
           f"greedy_tokens {argmax['greedy_tokens'] * 1e6:.1f} µs "
           f"({argmax['torch.argmax'] / argmax['greedy_tokens']:.1f}x less)")
-    save("overhead" + ("_quick" if args.quick else ""), {"plain_s": plain, "fast_s": fast, "argmax_s": argmax})
+    text = text_times(rounds=2 if args.quick else 5)
+    print(f"  streamed text per token: {text['add@256'] * 1e6:.1f} µs at 256 tokens, {text['add@4096'] * 1e6:.1f} µs "
+          f"at 4,096; decoding the whole 4,096-token output once: {text['whole@4096'] * 1e6:.1f} µs")
+    save("overhead" + ("_quick" if args.quick else ""),
+         {"plain_s": plain, "fast_s": fast, "argmax_s": argmax, "text_s": text})
     return 0 if met else 1
 
 
