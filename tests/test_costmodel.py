@@ -351,6 +351,16 @@ def test_calibrate_checks_out_before_measuring(tmp_path, capsys, no_measuring, w
     assert err.startswith("verispec: error:") and message in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("option", [["--context", "4000"], ["--context", "8", "--max-m", "5000"]])
+def test_calibrate_refuses_passes_beyond_the_models_context_before_measuring(tmp_path, capsys, no_measuring, option):
+    folder = tmp_path / "tiny-qwen2"
+    tiny.save_hf_model(folder, "qwen2", seed=2)
+    capsys.readouterr()  # what writing the model printed
+    assert main(["calibrate", "--model", str(folder), "--repeats", "1", *option]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("verispec: error:") and "lower --context or --max-m" in err and err.count("\n") == 1
+
+
 def test_saving_a_profile_to_a_folder_is_a_clear_error(tmp_path):
     profile = CalibrationProfile({"processor": "test"}, 2e10, 1.9e10, 1e11)
     with pytest.raises(VerispecError, match="is a folder"):

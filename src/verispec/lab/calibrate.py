@@ -311,6 +311,12 @@ def calibrate(target=None, draft=None, max_m: int = 32, context: int = 64, repea
     """Measure the machine and, given LoadedModels, the target's t(1..max_m) and the draft's step."""
     if max_m < 1:
         raise VerispecError(f"--max-m must be >= 1, got {max_m}")
+    for loaded, positions in ((target, max_m), (draft, 2)):  # before measuring, which takes a while
+        if loaded is not None and context + positions > loaded.config.max_position_embeddings:
+            raise VerispecError(
+                f"--context {context} and passes over {positions} positions need {context + positions:,} "
+                f"positions, but {loaded.name} holds {loaded.config.max_position_embeddings:,}; "
+                f"lower --context" + (" or --max-m" if loaded is target else ""))
     log("measuring bandwidth")
     copy_bw, read_bw = measure_bandwidth(buffer_bytes, device=device)
     log("measuring matmul FLOP/s")
