@@ -109,6 +109,40 @@ def test_a_long_prompt_goes_through_in_slices(folder):
 
 
 @needs_kernels
+@pytest.mark.parametrize("hq,hkv", [(12, 2), (32, 2), (6, 3), (4, 4)])
+def test_attention_reads_a_groups_keys_once_with_the_same_bits_as_head_by_head(hq, hkv):
+    """On one thread the query heads sharing a key/value head go through the cache together;
+    with more threads than such groups, head by head. Both give the same bits, and the
+    attention of a plain reference (no rotation: cos 1, sin 0)."""
+    attention = kernels.cpu_kernels().attention
+    generator = torch.Generator().manual_seed(hq)
+    d, start = 64, 37
+    for m, window in [(1, 0), (5, 0), (3, 20)]:
+        k = torch.randn(hkv, start + m, d, generator=generator)
+        v = torch.randn(hkv, start + m, d, generator=generator)
+        qkv = torch.randn(m, (hq + 2 * hkv) * d, generator=generator)
+        cos, sin = torch.ones(m, d), torch.zeros(m, d)
+        outputs = []
+        threads = torch.get_num_threads()
+        for count in (1, 4 * hkv * m):
+            torch.set_num_threads(count)
+            kc, vc = k.clone(), v.clone()
+            outputs.append(attention(qkv, kc, vc, cos, sin, start, hq, hkv, window, None, None, 1e-6))
+        torch.set_num_threads(threads)
+        assert torch.equal(outputs[0], outputs[1])
+        q = qkv[:, :hq * d].view(m, hq, d).transpose(0, 1)
+        keys = kc.repeat_interleave(hq // hkv, dim=0)  # kc holds the new keys too
+        values = vc.repeat_interleave(hq // hkv, dim=0)
+        positions = torch.arange(start + m)
+        now = start + torch.arange(m)[:, None]
+        allowed = (positions <= now) & ((positions > now - window) if window else True)
+        scores = (q @ keys.transpose(1, 2)) / d ** 0.5
+        weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        expected = (weights @ values).transpose(0, 1).reshape(m, hq * d)
+        torch.testing.assert_close(outputs[0], expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_pass_over_many_positions_equals_single_steps_bit_for_bit(folder, fmt):
     model = _load(folder, fmt).model

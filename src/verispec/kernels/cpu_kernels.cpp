@@ -1189,6 +1189,74 @@ inline void rope(float* v, const float* cos, const float* sin, int64_t rot) {
   }
 }
 
+constexpr int kMaxHeadsTogether = 8;
+
+// scores[g * stride + j] = (q_g . key_j) * scale for positions j in [first, pos] and G heads
+// (queries q_g = q + g d) sharing the keys; best[g]: the largest. Each score is one chain of
+// FMAs over the features and one horizontal sum; several chains run side by side (G heads
+// for one key, or four keys for one head), each in the same order as alone.
+template <class T, int G>
+void attention_scores(const float* q, const T* keys, int64_t d, int64_t first, int64_t pos, float scale,
+                      float* scores, int64_t stride, float* best) {
+  for (int g = 0; g < G; ++g) best[g] = -INFINITY;
+  constexpr int U = G == 1 ? 4 : 1;  // keys at a time
+  int64_t j = first;
+  for (; j + U <= pos + 1; j += U) {
+    vfloat dot[G * U];
+    for (int c = 0; c < G * U; ++c) dot[c] = vzero();
+    for (int64_t e = 0; e < d; e += kLanes)
+      for (int u = 0; u < U; ++u) {
+        const vfloat key = load_cache(keys + (j + u) * d + e);
+        for (int g = 0; g < G; ++g) dot[g * U + u] = vfma(vload(q + g * d + e), key, dot[g * U + u]);
+      }
+    for (int g = 0; g < G; ++g)
+      for (int u = 0; u < U; ++u) {
+        scores[g * stride + j + u] = vsum(dot[g * U + u]) * scale;
+        best[g] = std::max(best[g], scores[g * stride + j + u]);
+      }
+  }
+  for (; j <= pos; ++j) {
+    vfloat dot = vzero();
+    for (int64_t e = 0; e < d; e += kLanes) dot = vfma(vload(q + e), load_cache(keys + j * d + e), dot);
+    scores[j] = vsum(dot) * scale;
+    best[0] = std::max(best[0], scores[j]);
+  }
+}
+
+// acc[g d + e] = sum over t in [first, pos] of weight_t * value_t[e], for G heads whose
+// weights are their rows of scores. Each block of 16 features is one chain over the
+// positions, in order, per head; blocks and heads run side by side, so each value is read
+// once for all G heads.
+template <class T, int G>
+void attention_values(const T* values, int64_t d, int64_t first, int64_t pos, const float* scores,
+                      int64_t stride, float* acc) {
+  constexpr int B = std::max(1, std::min(4, 24 / G));  // blocks at a time: G * B sums in registers
+  int64_t e = 0;
+  for (; e + B * kLanes <= d; e += B * kLanes) {
+    vfloat sum[G * B];
+    for (int c = 0; c < G * B; ++c) sum[c] = vzero();
+    for (int64_t t = first; t <= pos; ++t) {
+      vfloat value[B];
+      for (int b = 0; b < B; ++b) value[b] = load_cache(values + t * d + e + b * kLanes);
+      for (int g = 0; g < G; ++g) {
+        const vfloat weight = vset1(scores[g * stride + t]);
+        for (int b = 0; b < B; ++b) sum[g * B + b] = vfma(weight, value[b], sum[g * B + b]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int b = 0; b < B; ++b) vstore(acc + g * d + e + b * kLanes, sum[g * B + b]);
+  }
+  for (; e < d; e += kLanes) {
+    vfloat sum[G];
+    for (int g = 0; g < G; ++g) sum[g] = vzero();
+    for (int64_t t = first; t <= pos; ++t) {
+      const vfloat value = load_cache(values + t * d + e);
+      for (int g = 0; g < G; ++g) sum[g] = vfma(vset1(scores[g * stride + t]), value, sum[g]);
+    }
+    for (int g = 0; g < G; ++g) vstore(acc + g * d + e, sum[g]);
+  }
+}
+
 template <class T>
 void attention_impl(const float* qkv, int64_t m, int64_t hq, int64_t hkv, int64_t d, T* kc, T* vc,
                     int64_t max_len, const float* cos, const float* sin, int64_t rot, int64_t start,
@@ -1220,39 +1288,48 @@ void attention_impl(const float* qkv, int64_t m, int64_t hq, int64_t hkv, int64_
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const int64_t group = hq / hkv;
-  const int64_t grain = std::max<int64_t>(1, (1 << 15) / ((start + m) * d));
-  parallel_range(m * hq, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(start + m + kLanes, 0.0f);
-    std::vector<float> acc(d);
+  // The query heads that share a key/value head (up to 8 at a time) go through the cache
+  // together, so each key and value is read once for all of them instead of once per head:
+  // at long contexts the cache no longer fits the core's cache, and reading it per head
+  // was what attention cost. Where that leaves fewer tasks than threads, heads go one by
+  // one. Either way each head's arithmetic is the same sequence, so the results are too.
+  const int64_t chunk = std::min<int64_t>(group, kMaxHeadsTogether), chunks = (group + chunk - 1) / chunk;
+  const bool together = group > 1 && m * hkv * chunks >= at::get_num_threads();
+  const int64_t per_task = together ? chunk : 1, tasks_per_row = together ? hkv * chunks : hq;
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / ((start + m) * d * per_task));
+  parallel_range(m * tasks_per_row, grain, [&](int64_t begin, int64_t end) {
+    const int64_t stride = start + m + kLanes;  // one head's scores, padded for whole vectors
+    std::vector<float> scores(per_task * stride, 0.0f);
+    std::vector<float> acc(per_task * d);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / hq, h = task % hq, kvh = h / group;
-      const int64_t pos = start + i;
+      const int64_t i = task / tasks_per_row, r = task % tasks_per_row;
+      const int64_t h0 = together ? r / chunks * group + r % chunks * chunk : r;
+      const int64_t count = together ? std::min(chunk, group - r % chunks * chunk) : 1;
+      const int64_t pos = start + i, kvh = h0 / group;
       const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-      const float* q = queries.data() + (i * hq + h) * d;
+      const float* q = queries.data() + (i * hq + h0) * d;
       const T* keys = kc + kvh * max_len * d;
       const T* values = vc + kvh * max_len * d;
-      float best = -INFINITY;
-      for (int64_t j = first; j <= pos; ++j) {
-        vfloat dot = vzero();
-        for (int64_t e = 0; e < d; e += kLanes) dot = vfma(vload(q + e), load_cache(keys + j * d + e), dot);
-        const float s = vsum(dot) * scale;
-        scores[j] = s;
-        best = std::max(best, s);
-      }
-      // exp is elementwise, so whole vectors may run past pos into the padding
-      const vfloat vbest = vset1(best);
-      for (int64_t j = first; j <= pos; j += kLanes)
-        vstore(scores.data() + j, vexp(vsub(vload(scores.data() + j), vbest)));
-      float total = 0.0f;
-      for (int64_t t = first; t <= pos; ++t) total += scores[t];
-      for (int64_t e = 0; e < d; e += kLanes) {
-        vfloat sum = vzero();
-        for (int64_t t = first; t <= pos; ++t) sum = vfma(vset1(scores[t]), load_cache(values + t * d + e), sum);
-        vstore(acc.data() + e, sum);
-      }
-      const float inv = 1.0f / total;
-      float* dst = out + (i * hq + h) * d;
-      for (int64_t e = 0; e < d; ++e) dst[e] = acc[e] * inv;
+      with_rows<kMaxHeadsTogether>(static_cast<int>(count), [&](auto heads) {
+        constexpr int G = decltype(heads)::value;
+        float best[G];
+        attention_scores<T, G>(q, keys, d, first, pos, scale, scores.data(), stride, best);
+        float total[G];
+        for (int g = 0; g < G; ++g) {
+          float* row = scores.data() + g * stride;
+          // exp is elementwise, so whole vectors may run past pos into the padding
+          const vfloat vbest = vset1(best[g]);
+          for (int64_t j = first; j <= pos; j += kLanes) vstore(row + j, vexp(vsub(vload(row + j), vbest)));
+          total[g] = 0.0f;
+          for (int64_t t = first; t <= pos; ++t) total[g] += row[t];
+        }
+        attention_values<T, G>(values, d, first, pos, scores.data(), stride, acc.data());
+        for (int g = 0; g < G; ++g) {
+          const float inv = 1.0f / total[g];
+          float* dst = out + (i * hq + h0 + g) * d;
+          for (int64_t e = 0; e < d; ++e) dst[e] = acc[g * d + e] * inv;
+        }
+      });
     }
   });
 }
