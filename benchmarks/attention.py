@@ -1,0 +1,82 @@
+"""What attention costs in a decoding step as the context grows (the 1.5B target's shapes).
+
+    python benchmarks/attention.py                 # contexts 128 .. 8192, m = 1 and 5
+    python benchmarks/attention.py --contexts 512 --rows 1
+
+Attention is the part of a step that grows with the context: every new position reads
+every cached key and value of its layer. This times the kernels' `attention` (rotary,
+cache write and attention in one call) for Qwen2.5-Coder-1.5B's shapes (12 query heads,
+2 key/value heads, head_dim 128, 28 layers, float32 cache) after `context` cached
+positions, for m new positions (m = 1: a plain step; m = 5: a verification pass at γ = 4),
+on the usual threads. Each row gives the time per call, the 28 layers' time per step, and
+that as a share of a plain step's weight reading at the read bandwidth measured in the same
+run (int8 weights: 1.55 GB per step), so a share is a ratio within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import verispec  # noqa: F401  (first: it sets how torch's threads wait)
+import torch
+
+from perf_common import machine_load, median, read_bandwidth, save, warn_if_busy
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 12, 2, 128, 28
+INT8_STEP_BYTES = 1.547e9  # the 1.5B in int8 (decode_bandwidth.py prints the same)
+
+
+def time_attention(kernels, context: int, m: int, calls: int, rounds: int = 5) -> float:
+    """Median seconds of one attention call for m new positions after `context` cached ones."""
+    generator = torch.Generator().manual_seed(0)
+    max_len = context + m
+    k = torch.randn(KV_HEADS, max_len, HEAD_DIM, generator=generator)
+    v = torch.randn(KV_HEADS, max_len, HEAD_DIM, generator=generator)
+    qkv = torch.randn(m, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=generator)
+    angles = torch.rand(m, HEAD_DIM, generator=generator)
+    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
+    times = []
+    for round_index in range(rounds + 1):
+        started = time.perf_counter()
+        for _ in range(calls):
+            kernels.attention(qkv, k, v, cos, sin, context, HEADS, KV_HEADS, 0, None, None, 1e-6)
+        if round_index:  # the first round warms up
+            times.append((time.perf_counter() - started) / calls)
+    return median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048, 8192])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 5])
+    parser.add_argument("--quick", action="store_true", help="fewer calls per measurement")
+    args = parser.parse_args()
+    from verispec.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        print("the CPU kernels are not available on this machine")
+        return 1
+    print(f"attention, 1.5B shapes: {torch.get_num_threads()} threads, {machine_load()}")
+    warn_if_busy()
+    bandwidth = read_bandwidth(0.25 if args.quick else 0.5, repeats=2 if args.quick else 3)
+    step = INT8_STEP_BYTES / bandwidth
+    print(f"  read bandwidth {bandwidth / 1e9:.1f} GB/s: an int8 step reads its weights in {step * 1e3:.1f} ms")
+    rows = []
+    for m in args.rows:
+        for context in args.contexts:
+            calls = max(3, int((2e6 if args.quick else 2e7) / (context * (m + 1) * HEADS * HEAD_DIM)))
+            seconds = time_attention(kernels, context, m, calls, rounds=2 if args.quick else 5)
+            per_step = LAYERS * seconds
+            rows.append({"m": m, "context": context, "call_s": seconds, "step_s": per_step,
+                         "share_of_int8_step": per_step / step})
+            print(f"  m = {m}, context {context:>5}: {seconds * 1e6:8.1f} µs per call, {per_step * 1e3:7.2f} ms per "
+                  f"step ({per_step / step:.1%} of an int8 step's weight reading)")
+    save("attention" + ("_quick" if args.quick else ""), {"read_bandwidth": bandwidth, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
