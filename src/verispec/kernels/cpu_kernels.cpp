@@ -1189,71 +1189,123 @@ inline void rope(float* v, const float* cos, const float* sin, int64_t rot) {
   }
 }
 
-constexpr int kMaxHeadsTogether = 8;
+// A chain is one (new position, query head) pair. The chains that share a key/value head
+// go through the cache together: each key is scored for all of them, and each value is read
+// once and weighted for each, so the cache is read once per group of chains instead of once
+// per head and position (it outgrows the core's cache at long contexts). Every chain's
+// arithmetic is the same sequence of operations as when it runs alone: its scores are each
+// one chain of FMAs over the features and one horizontal sum, and each block of 16 features
+// of its output is one chain of FMAs over the positions, in order.
+constexpr int kMaxChains = 12;
 
-// scores[g * stride + j] = (q_g . key_j) * scale for positions j in [first, pos] and G heads
-// (queries q_g = q + g d) sharing the keys; best[g]: the largest. Each score is one chain of
-// FMAs over the features and one horizontal sum; several chains run side by side (G heads
-// for one key, or four keys for one head), each in the same order as alone.
-template <class T, int G>
-void attention_scores(const float* q, const T* keys, int64_t d, int64_t first, int64_t pos, float scale,
-                      float* scores, int64_t stride, float* best) {
-  for (int g = 0; g < G; ++g) best[g] = -INFINITY;
-  constexpr int U = G == 1 ? 4 : 1;  // keys at a time
-  int64_t j = first;
-  for (; j + U <= pos + 1; j += U) {
-    vfloat dot[G * U];
-    for (int c = 0; c < G * U; ++c) dot[c] = vzero();
-    for (int64_t e = 0; e < d; e += kLanes)
+// Chains' queries, interleaved per block of 16 features: q[(e / kLanes) * C * kLanes + c * kLanes + lane].
+// scores[c * stride + j] = (q_c . key_j) * scale for j in [from, to]; best[c]: the largest so far.
+template <class T, int C>
+void score_together(const float* q, const T* keys, int64_t d, int64_t from, int64_t to, float scale,
+                    float* scores, int64_t stride, float* best) {
+  constexpr int U = C == 1 ? 4 : 1;  // keys at a time: a lone chain scores four side by side
+  int64_t j = from;
+  for (; j + U <= to + 1; j += U) {
+    vfloat dot[C * U];
+    for (int x = 0; x < C * U; ++x) dot[x] = vzero();
+    for (int64_t e = 0, block = 0; e < d; e += kLanes, ++block)
       for (int u = 0; u < U; ++u) {
         const vfloat key = load_cache(keys + (j + u) * d + e);
-        for (int g = 0; g < G; ++g) dot[g * U + u] = vfma(vload(q + g * d + e), key, dot[g * U + u]);
+        const float* qb = q + block * C * kLanes;
+        for (int c = 0; c < C; ++c) dot[c * U + u] = vfma(vload(qb + c * kLanes), key, dot[c * U + u]);
       }
-    for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c)
       for (int u = 0; u < U; ++u) {
-        scores[g * stride + j + u] = vsum(dot[g * U + u]) * scale;
-        best[g] = std::max(best[g], scores[g * stride + j + u]);
+        scores[c * stride + j + u] = vsum(dot[c * U + u]) * scale;
+        best[c] = std::max(best[c], scores[c * stride + j + u]);
       }
   }
-  for (; j <= pos; ++j) {
-    vfloat dot = vzero();
-    for (int64_t e = 0; e < d; e += kLanes) dot = vfma(vload(q + e), load_cache(keys + j * d + e), dot);
-    scores[j] = vsum(dot) * scale;
-    best[0] = std::max(best[0], scores[j]);
+  for (; j <= to; ++j)  // a lone chain's last keys, one at a time
+    for (int c = 0; c < C; ++c) {
+      vfloat dot = vzero();
+      for (int64_t e = 0, block = 0; e < d; e += kLanes, ++block)
+        dot = vfma(vload(q + block * C * kLanes + c * kLanes), load_cache(keys + j * d + e), dot);
+      scores[c * stride + j] = vsum(dot) * scale;
+      best[c] = std::max(best[c], scores[c * stride + j]);
+    }
+}
+
+// acc[c * d + e] += sum over t in [from, to] of scores[c * stride + t] * value_t[e], for C
+// chains (acc holds each chain's sums over the positions before `from`)
+template <class T, int C>
+void weigh_together(const T* values, int64_t d, int64_t from, int64_t to, const float* scores, int64_t stride,
+                    float* acc) {
+  constexpr int B = std::max(1, std::min(4, 24 / C));  // blocks at a time: C * B sums in registers
+  int64_t e = 0;
+  for (; e + B * kLanes <= d; e += B * kLanes) {
+    vfloat sum[C * B];
+    for (int c = 0; c < C; ++c)
+      for (int b = 0; b < B; ++b) sum[c * B + b] = vload(acc + c * d + e + b * kLanes);
+    for (int64_t t = from; t <= to; ++t) {
+      vfloat value[B];
+      for (int b = 0; b < B; ++b) value[b] = load_cache(values + t * d + e + b * kLanes);
+      for (int c = 0; c < C; ++c) {
+        const vfloat weight = vset1(scores[c * stride + t]);
+        for (int b = 0; b < B; ++b) sum[c * B + b] = vfma(weight, value[b], sum[c * B + b]);
+      }
+    }
+    for (int c = 0; c < C; ++c)
+      for (int b = 0; b < B; ++b) vstore(acc + c * d + e + b * kLanes, sum[c * B + b]);
+  }
+  if (e < d) {  // the blocks left over, one at a time
+    for (; e < d; e += kLanes) {
+      vfloat sum[C];
+      for (int c = 0; c < C; ++c) sum[c] = vload(acc + c * d + e);
+      for (int64_t t = from; t <= to; ++t) {
+        const vfloat value = load_cache(values + t * d + e);
+        for (int c = 0; c < C; ++c) sum[c] = vfma(vset1(scores[c * stride + t]), value, sum[c]);
+      }
+      for (int c = 0; c < C; ++c) vstore(acc + c * d + e, sum[c]);
+    }
   }
 }
 
-// acc[g d + e] = sum over t in [first, pos] of weight_t * value_t[e], for G heads whose
-// weights are their rows of scores. Each block of 16 features is one chain over the
-// positions, in order, per head; blocks and heads run side by side, so each value is read
-// once for all G heads.
-template <class T, int G>
-void attention_values(const T* values, int64_t d, int64_t first, int64_t pos, const float* scores,
-                      int64_t stride, float* acc) {
-  constexpr int B = std::max(1, std::min(4, 24 / G));  // blocks at a time: G * B sums in registers
-  int64_t e = 0;
-  for (; e + B * kLanes <= d; e += B * kLanes) {
-    vfloat sum[G * B];
-    for (int c = 0; c < G * B; ++c) sum[c] = vzero();
-    for (int64_t t = first; t <= pos; ++t) {
-      vfloat value[B];
-      for (int b = 0; b < B; ++b) value[b] = load_cache(values + t * d + e + b * kLanes);
-      for (int g = 0; g < G; ++g) {
-        const vfloat weight = vset1(scores[g * stride + t]);
-        for (int b = 0; b < B; ++b) sum[g * B + b] = vfma(weight, value[b], sum[g * B + b]);
-      }
+// Attention for the chains of `rows` consecutive new positions (the first at `pos0`) x
+// `heads` query heads sharing one key/value head. Without a window all rows attend from
+// position 0, so they share positions [0, pos0]; the one to rows - 1 positions after it,
+// which only later rows see, each row reads alone, after the shared ones (the order of its
+// sums is unchanged). With a window, rows go one at a time.
+template <class T, int C>
+void attend_chains(const float* q, int64_t rows, int64_t heads, const T* keys, const T* values, int64_t d,
+                   int64_t pos0, int64_t window, float scale, float* scores, int64_t stride, float* acc,
+                   float* const* out) {
+  const int64_t first = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
+  float best[C];
+  for (int c = 0; c < C; ++c) best[c] = -INFINITY;
+  score_together<T, C>(q, keys, d, first, pos0, scale, scores, stride, best);
+  std::vector<float> alone(d);
+  for (int64_t r = 1; r < rows; ++r)  // later rows' own positions: each chain alone
+    for (int64_t g = 0; g < heads; ++g) {
+      const int64_t c = r * heads + g;
+      for (int64_t e = 0; e < d; ++e) alone[e] = q[e / kLanes * C * kLanes + c * kLanes + e % kLanes];
+      float* row = scores + c * stride;
+      score_together<T, 1>(alone.data(), keys, d, pos0 + 1, pos0 + r, scale, row, stride, best + c);
     }
-    for (int g = 0; g < G; ++g)
-      for (int b = 0; b < B; ++b) vstore(acc + g * d + e + b * kLanes, sum[g * B + b]);
+  float total[C];
+  for (int c = 0; c < C; ++c) {
+    const int64_t pos = pos0 + c / heads;
+    float* row = scores + c * stride;
+    // exp is elementwise, so whole vectors may run past pos into the padding
+    const vfloat vbest = vset1(best[c]);
+    for (int64_t j = first; j <= pos; j += kLanes) vstore(row + j, vexp(vsub(vload(row + j), vbest)));
+    total[c] = 0.0f;
+    for (int64_t t = first; t <= pos; ++t) total[c] += row[t];
   }
-  for (; e < d; e += kLanes) {
-    vfloat sum[G];
-    for (int g = 0; g < G; ++g) sum[g] = vzero();
-    for (int64_t t = first; t <= pos; ++t) {
-      const vfloat value = load_cache(values + t * d + e);
-      for (int g = 0; g < G; ++g) sum[g] = vfma(vset1(scores[g * stride + t]), value, sum[g]);
+  std::fill(acc, acc + C * d, 0.0f);
+  weigh_together<T, C>(values, d, first, pos0, scores, stride, acc);
+  for (int64_t r = 1; r < rows; ++r)
+    for (int64_t g = 0; g < heads; ++g) {
+      const int64_t c = r * heads + g;
+      weigh_together<T, 1>(values, d, pos0 + 1, pos0 + r, scores + c * stride, stride, acc + c * d);
     }
-    for (int g = 0; g < G; ++g) vstore(acc + g * d + e, sum[g]);
+  for (int c = 0; c < C; ++c) {
+    const float inv = 1.0f / total[c];
+    for (int64_t e = 0; e < d; ++e) out[c][e] = acc[c * d + e] * inv;
   }
 }
 
@@ -1288,47 +1340,34 @@ void attention_impl(const float* qkv, int64_t m, int64_t hq, int64_t hkv, int64_
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const int64_t group = hq / hkv;
-  // The query heads that share a key/value head (up to 8 at a time) go through the cache
-  // together, so each key and value is read once for all of them instead of once per head:
-  // at long contexts the cache no longer fits the core's cache, and reading it per head
-  // was what attention cost. Where that leaves fewer tasks than threads, heads go one by
-  // one. Either way each head's arithmetic is the same sequence, so the results are too.
-  const int64_t chunk = std::min<int64_t>(group, kMaxHeadsTogether), chunks = (group + chunk - 1) / chunk;
-  const bool together = group > 1 && m * hkv * chunks >= at::get_num_threads();
-  const int64_t per_task = together ? chunk : 1, tasks_per_row = together ? hkv * chunks : hq;
-  const int64_t grain = std::max<int64_t>(1, (1 << 15) / ((start + m) * d * per_task));
-  parallel_range(m * tasks_per_row, grain, [&](int64_t begin, int64_t end) {
-    const int64_t stride = start + m + kLanes;  // one head's scores, padded for whole vectors
-    std::vector<float> scores(per_task * stride, 0.0f);
-    std::vector<float> acc(per_task * d);
+  // Tasks of up to 8 heads x as many rows as keep kMaxChains chains, fewer where that
+  // would leave a thread idle: rows first, then heads, down to one chain per task.
+  int64_t heads = std::min<int64_t>(group, 8), rows = window > 0 ? 1 : std::max<int64_t>(1, std::min<int64_t>(m, kMaxChains / heads));
+  auto task_count = [&] { return hkv * ((group + heads - 1) / heads) * ((m + rows - 1) / rows); };
+  const int64_t threads = at::get_num_threads();
+  while (rows > 1 && task_count() < threads) rows = (rows + 1) / 2;
+  if (task_count() < threads) heads = 1;
+  const int64_t head_chunks = (group + heads - 1) / heads, row_chunks = (m + rows - 1) / rows;
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / ((start + m) * d * heads * rows));
+  parallel_range(hkv * head_chunks * row_chunks, grain, [&](int64_t begin, int64_t end) {
+    const int64_t stride = start + m + kLanes;  // one chain's scores, padded for whole vectors
+    std::vector<float> scores(heads * rows * stride, 0.0f), acc(heads * rows * d), q(heads * rows * d);
+    std::vector<float*> out_rows(heads * rows);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / tasks_per_row, r = task % tasks_per_row;
-      const int64_t h0 = together ? r / chunks * group + r % chunks * chunk : r;
-      const int64_t count = together ? std::min(chunk, group - r % chunks * chunk) : 1;
-      const int64_t pos = start + i, kvh = h0 / group;
-      const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-      const float* q = queries.data() + (i * hq + h0) * d;
-      const T* keys = kc + kvh * max_len * d;
-      const T* values = vc + kvh * max_len * d;
-      with_rows<kMaxHeadsTogether>(static_cast<int>(count), [&](auto heads) {
-        constexpr int G = decltype(heads)::value;
-        float best[G];
-        attention_scores<T, G>(q, keys, d, first, pos, scale, scores.data(), stride, best);
-        float total[G];
-        for (int g = 0; g < G; ++g) {
-          float* row = scores.data() + g * stride;
-          // exp is elementwise, so whole vectors may run past pos into the padding
-          const vfloat vbest = vset1(best[g]);
-          for (int64_t j = first; j <= pos; j += kLanes) vstore(row + j, vexp(vsub(vload(row + j), vbest)));
-          total[g] = 0.0f;
-          for (int64_t t = first; t <= pos; ++t) total[g] += row[t];
+      const int64_t kvh = task / (head_chunks * row_chunks), hc = task / row_chunks % head_chunks;
+      const int64_t i0 = task % row_chunks * rows, h0 = kvh * group + hc * heads;
+      const int64_t nr = std::min(rows, m - i0), nh = std::min(heads, group - hc * heads), C = nr * nh;
+      for (int64_t r = 0; r < nr; ++r)  // the chains' queries, interleaved per block of features
+        for (int64_t g = 0; g < nh; ++g) {
+          const int64_t c = r * nh + g;
+          const float* src = queries.data() + ((i0 + r) * hq + h0 + g) * d;
+          for (int64_t e = 0; e < d; ++e) q[e / kLanes * C * kLanes + c * kLanes + e % kLanes] = src[e];
+          out_rows[c] = out + ((i0 + r) * hq + h0 + g) * d;
         }
-        attention_values<T, G>(values, d, first, pos, scores.data(), stride, acc.data());
-        for (int g = 0; g < G; ++g) {
-          const float inv = 1.0f / total[g];
-          float* dst = out + (i * hq + h0 + g) * d;
-          for (int64_t e = 0; e < d; ++e) dst[e] = acc[g * d + e] * inv;
-        }
+      with_rows<kMaxChains>(static_cast<int>(C), [&](auto chains) {
+        attend_chains<T, decltype(chains)::value>(q.data(), nr, nh, kc + kvh * max_len * d, vc + kvh * max_len * d,
+                                                 d, start + i0, window, scale, scores.data(), stride, acc.data(),
+                                                 out_rows.data());
       });
     }
   });
