@@ -8,7 +8,8 @@ every cached key and value of its layer. This times the kernels' `attention` (ro
 cache write and attention in one call) for Qwen2.5-Coder-1.5B's shapes (12 query heads,
 2 key/value heads, head_dim 128, 28 layers, float32 cache) after `context` cached
 positions, for m new positions (m = 1: a plain step; m = 5: a verification pass at γ = 4),
-on the usual threads. Each row gives the time per call, the 28 layers' time per step, and
+on the usual threads. The calls go round 28 caches, one per layer as in a real step, so a
+long context's keys and values come from memory, not from the cache of the last call. Each row gives the time per call, the 28 layers' time per step, and
 that as a share of a plain step's weight reading at the read bandwidth measured in the same
 run (int8 weights: 1.55 GB per step), so a share is a ratio within one run.
 """
@@ -32,15 +33,16 @@ def time_attention(kernels, context: int, m: int, calls: int, rounds: int = 5) -
     """Median seconds of one attention call for m new positions after `context` cached ones."""
     generator = torch.Generator().manual_seed(0)
     max_len = context + m
-    k = torch.randn(KV_HEADS, max_len, HEAD_DIM, generator=generator)
-    v = torch.randn(KV_HEADS, max_len, HEAD_DIM, generator=generator)
+    layers = [(torch.randn(KV_HEADS, max_len, HEAD_DIM, generator=generator),
+               torch.randn(KV_HEADS, max_len, HEAD_DIM, generator=generator)) for _ in range(LAYERS)]
     qkv = torch.randn(m, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=generator)
     angles = torch.rand(m, HEAD_DIM, generator=generator)
     cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
     times = []
     for round_index in range(rounds + 1):
         started = time.perf_counter()
-        for _ in range(calls):
+        for call in range(calls):
+            k, v = layers[call % LAYERS]
             kernels.attention(qkv, k, v, cos, sin, context, HEADS, KV_HEADS, 0, None, None, 1e-6)
         if round_index:  # the first round warms up
             times.append((time.perf_counter() - started) / calls)
@@ -67,7 +69,7 @@ def main() -> int:
     rows = []
     for m in args.rows:
         for context in args.contexts:
-            calls = max(3, int((2e6 if args.quick else 2e7) / (context * (m + 1) * HEADS * HEAD_DIM)))
+            calls = LAYERS * max(1, int((2e6 if args.quick else 2e7) / (LAYERS * context * (m + 1) * HEADS * HEAD_DIM)))
             seconds = time_attention(kernels, context, m, calls, rounds=2 if args.quick else 5)
             per_step = LAYERS * seconds
             rows.append({"m": m, "context": context, "call_s": seconds, "step_s": per_step,
