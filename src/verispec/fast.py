@@ -20,7 +20,7 @@ from torch import nn
 from verispec.cache import KVCache
 from verispec.errors import ContextOverflowError
 from verispec.kernels import cpu_kernels
-from verispec.quant import KERNEL_MAX_ROWS, PackedLinear
+from verispec.quant import KERNEL_MAX_ROWS, PANEL, PackedLinear
 
 
 def _decoder_layer(layer: nn.Module, kernels):
@@ -63,7 +63,8 @@ class FastPath:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.stack = self.head = self.final_norm = None  # bound to the model's tensors on first use
+        self.stack = self.final_norm = None  # bound to the model's tensors on first use
+        self.heads: dict[int | None, object] = {}  # the output layer, whole (None) or its first rows
         self.final_eps = model.model.norm.eps
         self.hidden = model.config.hidden_size
 
@@ -71,28 +72,29 @@ class FastPath:
         return (tokens.device.type == "cpu" and tokens.shape[0] == 1 and type(cache) is KVCache
                 and cache.k.shape[1] == 1 and cache.k.dtype == torch.float32 and cpu_kernels() is not None)
 
-    def __call__(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor | None:
-        """Logits [1, T, vocab] (or [1, 1, vocab] with last_only); None when this path does not apply.
+    def __call__(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False,
+                 outputs: int | None = None) -> torch.Tensor | None:
+        """Logits [1, T, vocab] (or [1, 1, vocab] with last_only; the first `outputs` ids only
+        with `outputs`); None when this path does not apply.
 
         A long prompt goes through in slices of KERNEL_MAX_ROWS positions, so every position
         is computed by the same kernels as a decoding step."""
         if not self.applies(tokens, cache):
             return None
         slices = [tokens[:, i:i + KERNEL_MAX_ROWS] for i in range(0, tokens.shape[1], KERNEL_MAX_ROWS)]
-        outputs = []
+        pieces = []
         for index, piece in enumerate(slices):
             final = index == len(slices) - 1
-            logits = self._forward(piece, cache, last_only, head=final or not last_only)
+            logits = self._forward(piece, cache, last_only, head=final or not last_only, outputs=outputs)
             if logits is not None:
-                outputs.append(logits)
-        return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+                pieces.append(logits)
+        return torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
 
-    def _forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool, head: bool = True
-                 ) -> torch.Tensor | None:
+    def _forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool, head: bool = True,
+                 outputs: int | None = None) -> torch.Tensor | None:
         kernels = cpu_kernels()
         if self.stack is None:
             self.stack = kernels.DecoderStack([_decoder_layer(layer, kernels) for layer in self.model.model.layers])
-            self.head = self.model.lm_head.bound_kernel(kernels)
             self.final_norm = self.model.model.norm.weight.detach().float()
         model, start, length = self.model, cache.length, tokens.shape[1]
         if start + length > cache.max_len:
@@ -108,7 +110,19 @@ class FastPath:
         if last_only:
             x = x[-1:]
         x = kernels.rms_norm(x.contiguous(), self.final_norm, self.final_eps)
-        return self.head(x).unsqueeze(0)
+        return self._head(kernels, outputs)(x).unsqueeze(0)
+
+    def _head(self, kernels, outputs: int | None):
+        """The output layer's product, for all its rows or the first `outputs` (rounded up to
+        the panel layout's sixteens; the caller slices)."""
+        rows = self.model.lm_head.out_features
+        if outputs is not None:
+            outputs = -(-outputs // PANEL) * PANEL
+            if outputs >= rows:
+                outputs = None
+        if outputs not in self.heads:
+            self.heads[outputs] = self.model.lm_head.bound_kernel(kernels, outputs)
+        return self.heads[outputs]
 
 
 def attach_fast_path(model: nn.Module) -> bool:

@@ -151,18 +151,25 @@ def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
     return list(stop)
 
 
-def make_proposer(draft, target, ngram: tuple[int, int] = (3, 1)) -> Proposer | None:
-    """None (baseline), "ngram", a loaded draft model, or any Proposer."""
+def make_proposer(draft, target, ngram: tuple[int, int] = (3, 1), draft_vocab: int | None = None
+                  ) -> Proposer | None:
+    """None (baseline), "ngram", a loaded draft model (proposing only ids below
+    `draft_vocab`, if given), or any Proposer."""
+    is_model = hasattr(draft, "model") and hasattr(draft, "tokenizer")
+    if draft_vocab is not None and not is_model:
+        raise VerispecError("a draft vocabulary applies to a draft model only, not to "
+                            + ("plain decoding" if draft is None else "prompt lookup or another proposer"))
     if draft is None:
         return None
     if draft == "ngram":
         from verispec.spec.prompt_lookup import PromptLookupProposer
         return PromptLookupProposer(max_ngram=ngram[0], min_ngram=ngram[1])
-    if hasattr(draft, "model") and hasattr(draft, "tokenizer"):
+    if is_model:
         from verispec.spec.compat import check_tokenizers
         from verispec.spec.draft_model import DraftModelProposer
         check_tokenizers(target.tokenizer, draft.tokenizer)
-        return DraftModelProposer(draft, vocab_limit=target.config.vocab_size)
+        limit = target.config.vocab_size if draft_vocab is None else min(draft_vocab, target.config.vocab_size)
+        return DraftModelProposer(draft, vocab_limit=limit)
     if hasattr(draft, "propose"):
         return draft
     raise VerispecError(f"unknown draft {draft!r}: give a model, 'ngram', or a proposer")
@@ -173,12 +180,16 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
            adaptive: bool | str = False, max_tokens: int = 128, temperature: float = 0.0,
            top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
            stop: str | Sequence[str] | None = (),
-           chat: bool = False, ignore_eos: bool = False, ngram: tuple[int, int] = (3, 1)) -> Iterator[Event]:
-    """Decode from `target` (a LoadedModel); with `draft`, speculatively. Yields Token events, then Finished."""
+           chat: bool = False, ignore_eos: bool = False, ngram: tuple[int, int] = (3, 1),
+           draft_vocab: int | None = None) -> Iterator[Event]:
+    """Decode from `target` (a LoadedModel); with `draft`, speculatively. Yields Token events, then Finished.
+    With `draft_vocab`, a draft model proposes only the first `draft_vocab` token ids."""
     if not is_whole(max_tokens, 1):
         raise VerispecError(f"max tokens must be a whole number >= 1, got {max_tokens!r}")
     if not is_whole(gamma, 0, MAX_GAMMA):
         raise VerispecError(f"gamma must be a whole number from 0 to {MAX_GAMMA}, got {gamma!r}")
+    if draft_vocab is not None and not is_whole(draft_vocab, 1):
+        raise VerispecError(f"the draft vocabulary must be a whole number >= 1, got {draft_vocab!r}")
     params = SamplingParams(temperature, top_k, top_p, seed)
     stop = _stop_strings(stop)
     generator = params.generator() if not params.greedy else None
@@ -195,7 +206,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
         raise ContextOverflowError(
             f"the prompt has {len(prompt_ids):,} tokens but the model's context holds {context_size:,}; "
             f"shorten the prompt")
-    proposer = make_proposer(draft, target, ngram)
+    proposer = make_proposer(draft, target, ngram, draft_vocab)
     policy = make_policy(gamma, adaptive) if proposer is not None else make_policy(0, False)
     max_tokens = min(max_tokens, context_size - len(prompt_ids))
     max_gamma = getattr(policy, "max_gamma", gamma) if adaptive else gamma

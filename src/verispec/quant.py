@@ -133,10 +133,19 @@ class PackedLinear(nn.Module, metaclass=ABCMeta):
         self._use_panels(kernels)
         return getattr(kernels, self.KERNEL)(x, *(getattr(self, name) for name in self.STORED), self.bias, residual)
 
-    def bound_kernel(self, kernels):
-        """`kernel` bound to this layer's tensors once (a `kernels.Product`): f(x, residual=None)."""
+    def bound_kernel(self, kernels, outputs: int | None = None):
+        """`kernel` bound to this layer's tensors once (a `kernels.Product`): f(x, residual=None).
+        With `outputs`, the product of the first `outputs` output features only (a multiple
+        of 16 in the panel layout), on views of the same tensors."""
         self._use_panels(kernels)
-        return kernels.Product(self.KERNEL, [getattr(self, n) for n in self.STORED], self.bias)
+        tensors, bias = [getattr(self, n) for n in self.STORED], self.bias
+        if outputs is not None and outputs < self.out_features:
+            panels = getattr(self, "panels", None)
+            if panels is not None and outputs % PANEL:
+                raise ValueError(f"the panel layout gives outputs in sixteens, not {outputs}")
+            tensors = [t[:outputs // PANEL] if t is panels else t[:outputs] for t in tensors]
+            bias = None if bias is None else bias[:outputs]
+        return kernels.Product(self.KERNEL, tensors, bias)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)

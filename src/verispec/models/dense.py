@@ -41,7 +41,9 @@ class CausalLM(nn.Module):
     """A decoder-only language model over a position-indexed KV cache.
 
     `forward(tokens, cache)` runs the tokens at positions cache.length.. and
-    returns float32 logits; with `last_only` only the final position's row.
+    returns float32 logits; with `last_only` only the final position's row, with
+    `outputs` only the first `outputs` token ids' (a draft that proposes no others
+    skips the rest of the output layer).
     """
 
     def __init__(self, config: ModelConfig, layers: list[nn.Module] | None = None):
@@ -85,11 +87,12 @@ class CausalLM(nn.Module):
         return self.lm_head if self.lm_head is not None else self.model.embed_tokens
 
     # -- forward
-    def forward(self, tokens: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache, last_only: bool = False,
+                outputs: int | None = None) -> torch.Tensor:
         if self.fast_path is not None:
-            logits = self.fast_path(tokens, cache, last_only)
+            logits = self.fast_path(tokens, cache, last_only, outputs)
             if logits is not None:
-                return logits
+                return logits[..., :outputs]
         start = cache.length
         length = tokens.shape[1]
         if start + length > cache.max_len:
@@ -108,4 +111,4 @@ class CausalLM(nn.Module):
             logits = self.lm_head(x)
         else:
             logits = torch.nn.functional.linear(x, self.model.embed_tokens.weight)
-        return logits.float()
+        return logits[..., :outputs].float()

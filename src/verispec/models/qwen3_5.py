@@ -241,9 +241,10 @@ class HybridCausalLM(ExpertAccounting, CausalLM):
         return HybridCache(self.kinds.count(FULL), c.num_key_value_heads, c.head_dim, self.kinds.count(LINEAR),
                            self.shape, max_len, batch, dtype, ref.device)
 
-    def forward(self, tokens: torch.Tensor, cache: HybridCache, last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: HybridCache, last_only: bool = False,
+                outputs: int | None = None) -> torch.Tensor:
         cache.begin_pass(tokens.shape[1])
-        return super().forward(tokens, cache, last_only)
+        return super().forward(tokens, cache, last_only, outputs)
 
     # -- what the lab reads
     def state_bytes(self, batch: int = 1) -> int:

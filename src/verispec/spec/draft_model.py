@@ -19,6 +19,14 @@ class DraftModelProposer:
 
     The draft may also skip the past (`catch_up`) and read only the last tokens
     of the context: its cache then starts `offset` tokens into it.
+
+    With `vocab_limit` the draft proposes only token ids below it, and its output layer
+    computes only their logits. A byte-level BPE numbers its tokens in the order of its
+    merges, so the first ids are the most frequent ones: the output layer of a small
+    draft is a large part of its weights (28% of the 0.5B's), and tokens it cannot
+    propose only cost acceptance where the target would have chosen one. Verification
+    stays exact whatever the draft proposes (under sampling, the draft's distribution
+    is zero above the limit).
     """
 
     def __init__(self, loaded, name: str | None = None, vocab_limit: int | None = None):
@@ -28,6 +36,8 @@ class DraftModelProposer:
         # a target with more embedding rows can choose an id the draft cannot read (a padding
         # row, for a trained model almost never); the draft then drafts nothing from there on
         self.rows = loaded.config.vocab_size
+        # the output layer's rows to compute, asked for only where they are fewer than all
+        self.outputs = {"outputs": self.vocab_limit} if self.vocab_limit < self.rows else {}
         self.model = loaded.model
         self.name = name or loaded.name
         self.cache = None
@@ -71,7 +81,7 @@ class DraftModelProposer:
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for i in range(gamma):
-            logits = self.model(feed, self.cache, last_only=True)[0, -1, :self.vocab_limit]
+            logits = self.model(feed, self.cache, last_only=True, **self.outputs)[0, -1]
             if params.greedy:
                 token = greedy_token(logits)
             else:
