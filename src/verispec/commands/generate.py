@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from verispec.commands.options import (add_model_options, load_target_and_draft, non_negative_float,
+from verispec.commands.options import (add_draft_vocab_option, add_model_options, load_target_and_draft, non_negative_float,
                                        non_negative_int, positive_int, probability)
 
 # how --show colours each token by origin (the seed's figure: kept drafts purple)
@@ -15,6 +15,7 @@ ORIGIN_STYLE = {"target": "default", "draft": "magenta", "recovered": "red", "bo
 def register(sub) -> None:
     parser = sub.add_parser("generate", help="generate text from a prompt")
     add_model_options(parser)
+    add_draft_vocab_option(parser)
     parser.add_argument("prompt", help="the prompt text ('-' reads standard input)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     parser.add_argument("--max-tokens", "-n", type=positive_int, default=128)
@@ -42,7 +43,7 @@ def run(args) -> int:
     events = stream(target, prompt, draft=draft, gamma=args.gamma, adaptive=args.adaptive,
                     max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat,
-                    ignore_eos=args.ignore_eos, ngram=tuple(args.ngram))
+                    ignore_eos=args.ignore_eos, ngram=tuple(args.ngram), draft_vocab=args.draft_vocab)
     console = Console(highlight=False)
     result = None
     for event in events:

@@ -107,6 +107,12 @@ def add_model_options(parser: argparse.ArgumentParser, draft: bool = True) -> No
         add_ngram_option(parser)
 
 
+def add_draft_vocab_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--draft-vocab", type=positive_int, default=None, metavar="N",
+                        help="the draft model proposes only the first N token ids, and its output layer "
+                             "computes only theirs (cheaper drafts, fewer accepted; the output is unchanged)")
+
+
 def default_dtype(device: str, weights: str | None) -> str:
     """Activation dtype: the weight format's own float type, else float32 on CPU, bfloat16 on GPU."""
     if weights in ("bfloat16", "float16", "float32"):

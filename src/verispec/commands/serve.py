@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from verispec.commands.options import add_model_options, load_target_and_draft, positive_int
+from verispec.commands.options import add_draft_vocab_option, add_model_options, load_target_and_draft, positive_int
 from verispec.errors import VerispecError
 
 
@@ -13,6 +13,7 @@ def register(sub) -> None:
                             description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
                                         "/metrics (Prometheus). Requests are decoded one at a time.")
     add_model_options(parser)
+    add_draft_vocab_option(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument("--served-model-name", default=None,
@@ -48,6 +49,6 @@ def run(args) -> int:
     check_port_free(args.host, args.port)
     target, draft = load_target_and_draft(args)
     app = create_app(target, draft=draft, gamma=args.gamma, adaptive=args.adaptive, ngram=tuple(args.ngram),
-                     served_model_name=args.served_model_name)
+                     served_model_name=args.served_model_name, draft_vocab=args.draft_vocab)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
