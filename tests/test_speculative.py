@@ -279,3 +279,37 @@ def test_adaptive_draft_stops_reading_when_speculation_does_not_pay(target, unre
     assert plain >= 0.9 * len(result.spec.gammas)
     context = result.prompt_tokens + len(result.token_ids)
     assert sum(read) < 0.6 * context  # a draft kept ready would read all of it
+
+
+def _scan_lookup(context: list[int], gamma: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Prompt lookup by scanning the context back, as the definition reads."""
+    size = len(context)
+    for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
+        suffix = context[size - n:]
+        for start in range(size - n - 1, -1, -1):
+            if context[start:start + n] == suffix and context[start + n:start + n + gamma]:
+                return context[start + n:start + n + gamma]
+    return []
+
+
+@pytest.mark.parametrize("max_ngram,min_ngram", [(3, 1), (4, 2), (1, 1)])
+def test_prompt_lookups_index_gives_what_scanning_the_context_gives(max_ngram, min_ngram):
+    import random
+
+    rng = random.Random(max_ngram * 10 + min_ngram)
+    lookup = PromptLookupProposer(max_ngram=max_ngram, min_ngram=min_ngram)
+    for _ in range(20):  # requests of their own, each a text that grows round by round
+        context = [rng.randrange(6) for _ in range(rng.randrange(1, 30))]
+        lookup.start(context, 1000)
+        for _ in range(rng.randrange(1, 15)):
+            gamma = rng.randrange(1, 6)
+            assert lookup.lookup(context, gamma) == _scan_lookup(context, gamma, max_ngram, min_ngram), context
+            context = context + [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+
+
+
+def test_prompt_lookup_forgets_a_text_that_another_does_not_continue():
+    lookup = PromptLookupProposer()
+    assert lookup.lookup([1, 2, 3, 1, 2], 2) == [3, 1]
+    assert lookup.lookup([5, 6, 5], 2) == [6, 5] == _scan_lookup([5, 6, 5], 2, 3, 1)  # shorter: another text
+    assert lookup.lookup([9, 6, 5, 9], 2) == [6, 5]  # its first token differs: another text
