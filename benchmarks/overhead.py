@@ -15,6 +15,10 @@ And the text every token adds to a streamed output (`TextAssembler`, with a byte
 tokenizer): its cost per token at 256 and at 4,096 tokens of output, against one decode
 of the whole 4,096-token output (what each token would cost if the whole output were
 decoded again every time).
+
+And prompt lookup's cost per round at 256 and at 4,096 tokens of context without a repeated
+n-gram (its worst case), against scanning the 4,096-token context back once per n-gram size
+(what each round cost before the lookup kept an index).
 """
 
 from __future__ import annotations
@@ -109,6 +113,33 @@ def text_times(lengths=(256, 4096), rounds: int = 5) -> dict[str, float]:
     return {name: median(t[1:]) for name, t in times.items()}
 
 
+def lookup_times(lengths=(256, 4096), rounds: int = 5, calls: int = 50) -> dict[str, float]:
+    """Median seconds per prompt-lookup round at each context length (no n-gram repeats), and
+    of one backward scan of the longest context for n = 3, 2, 1."""
+    from verispec.spec.prompt_lookup import PromptLookupProposer
+
+    times: dict[str, list[float]] = {}
+    for round_index in range(rounds + 1):
+        for n in lengths:
+            lookup = PromptLookupProposer()
+            context = list(range(n))
+            lookup.lookup(context, 4)
+            started = time.perf_counter()
+            for i in range(calls):
+                context.append(1_000_000 + i)
+                lookup.lookup(context, 4)
+            times.setdefault(f"round@{n}", []).append((time.perf_counter() - started) / calls)
+        context = list(range(max(lengths)))
+        started = time.perf_counter()
+        for size in (3, 2, 1):
+            suffix = context[len(context) - size:]
+            for start in range(len(context) - size - 1, -1, -1):
+                if context[start:start + size] == suffix:
+                    break
+        times.setdefault(f"scan@{max(lengths)}", []).append(time.perf_counter() - started)
+    return {name: median(t[1:]) for name, t in times.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -135,8 +166,12 @@ def main() -> int:
     text = text_times(rounds=2 if args.quick else 5)
     print(f"  streamed text per token: {text['add@256'] * 1e6:.1f} µs at 256 tokens, {text['add@4096'] * 1e6:.1f} µs "
           f"at 4,096; decoding the whole 4,096-token output once: {text['whole@4096'] * 1e6:.1f} µs")
+    lookup = lookup_times(rounds=2 if args.quick else 5)
+    print(f"  prompt lookup per round: {lookup['round@256'] * 1e6:.1f} µs at 256 tokens of context, "
+          f"{lookup['round@4096'] * 1e6:.1f} µs at 4,096; scanning the 4,096 tokens back: "
+          f"{lookup['scan@4096'] * 1e6:.1f} µs")
     save("overhead" + ("_quick" if args.quick else ""),
-         {"plain_s": plain, "fast_s": fast, "argmax_s": argmax, "text_s": text})
+         {"plain_s": plain, "fast_s": fast, "argmax_s": argmax, "text_s": text, "lookup_s": lookup})
     return 0 if met else 1
 
 
