@@ -514,6 +514,48 @@ def test_other_gguf_types_are_not_repacked():
     assert int4_from_gguf(tensor) is None
 
 
+@pytest.mark.parametrize("kind,mixed", [("Q4_K", Int4Linear), ("Q4_0", Int4Linear), ("Q6_K", Int8Linear),
+                                        ("Q5_0", Int8Linear), ("Q8_0", Int8Linear), ("F16", Int8Linear),
+                                        (None, Int4Linear)])
+def test_int4_mixed_keeps_int8_where_the_file_holds_more_than_4_bits(kind, mixed):
+    from verispec.quant import pack_linear
+
+    linear = torch.nn.Linear(64, 32, bias=False)
+    if kind == "Q4_K":
+        data = _random_blocks("Q4_K", 32, 256, np.random.default_rng(0))
+        linear = torch.nn.Linear(256, 32, bias=False)
+    elif kind == "Q4_0":
+        data = _random_blocks("Q4_0", 32, 64, np.random.default_rng(0))
+    else:
+        data = np.zeros((32, 1), dtype=np.uint8)  # not read: these types are not repacked
+    tensor = None if kind is None else _FakeGGUFTensor(kind, 32, linear.in_features, data)
+    assert type(pack_linear(linear, "int4-mixed", tensor)) is mixed
+    assert type(pack_linear(linear, "int4", tensor)) is Int4Linear
+
+
+def test_int4_mixed_loads_a_float_gguf_as_int8_and_decodes(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    tiny.save_hf_model(tmp_path / "hf", "qwen2", seed=6)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    tiny.write_gguf(tmp_path / "model.gguf", ref, "qwen2")
+    mixed = load_model(tmp_path / "model.gguf", weights="int4-mixed")
+    plain = load_model(tmp_path / "model.gguf", weights="int4")
+    int8 = load_model(tmp_path / "model.gguf", weights="int8")
+    layers = [m for m in mixed.model.modules() if isinstance(m, PackedLinear)]
+    assert layers and all(isinstance(m, Int8Linear) for m in layers)  # every tensor of the file is F32
+    assert any(isinstance(m, Int4Linear) for m in plain.model.modules())
+    assert mixed.weights == "int4-mixed" and mixed.weight_bytes() == int8.weight_bytes()
+    assert generate(mixed, PROMPT, max_tokens=8, ignore_eos=True).token_ids == \
+        generate(int8, PROMPT, max_tokens=8, ignore_eos=True).token_ids
+
+
+def test_a_fused_product_with_an_int8_part_is_int8_throughout():
+    parts = [Int4Linear.from_float(torch.randn(32, 64)), Int8Linear.from_float(torch.randn(16, 64))]
+    fused = fuse(parts)
+    assert isinstance(fused, Int8Linear) and fused.out_features == 48
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_weight_cache_round_trip(tmp_path, monkeypatch, fmt):
     from verispec.loading import weight_cache

@@ -41,7 +41,10 @@ from torch import nn
 
 from verispec.kernels import cpu_kernels
 
-FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
+FORMATS = ("float32", "bfloat16", "float16", "int8", "int4", "int4-mixed")
+PACKED_FORMATS = ("int8", "int4", "int4-mixed")  # the formats that are not a float type
+# GGUF types that hold more than 4 bits per weight: "int4-mixed" keeps such tensors in int8
+MORE_THAN_4_BITS = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K", "F16", "BF16", "F32"}
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GROUP = 32  # int4 group size along the input features
 PANEL = 16  # output columns per panel of the panel layouts
@@ -472,13 +475,18 @@ def int4_from_gguf(tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 # ------------------------------------------------------------------ building and fusing
 
 def pack_linear(linear: nn.Linear, fmt: str, gguf_tensor=None) -> PackedLinear:
-    """One nn.Linear in the weight format `fmt` (int4 from GGUF blocks when it can)."""
+    """One nn.Linear in the weight format `fmt` (int4 from GGUF blocks when it can; with
+    "int4-mixed", int8 where the GGUF tensor holds more than 4 bits per weight)."""
     bias = linear.bias
-    if fmt == "int4":
+    if fmt in ("int4", "int4-mixed"):
         if linear.in_features % GROUP:
             return Int8Linear.from_float(linear.weight, bias)  # no whole groups: int8 instead
         packed = int4_from_gguf(gguf_tensor) if gguf_tensor is not None else None
-        return Int4Linear(*packed, bias) if packed is not None else Int4Linear.from_float(linear.weight, bias)
+        if packed is not None:
+            return Int4Linear(*packed, bias)
+        if fmt == "int4-mixed" and gguf_tensor is not None and gguf_tensor.tensor_type.name in MORE_THAN_4_BITS:
+            return Int8Linear.from_float(linear.weight, bias)
+        return Int4Linear.from_float(linear.weight, bias)
     if fmt == "int8":
         return Int8Linear.from_float(linear.weight, bias)
     if fmt in FLOAT_DTYPES:
@@ -512,7 +520,8 @@ def quantize_model(model: nn.Module, fmt: str, gguf_tensors: dict | None = None)
     q/k/v become one `qkv_proj` and gate/up one `gate_up_proj` (fewer, larger products); a
     tied output layer gets its own packed copy of the embedding in int8 and int4, and is the
     embedding's only copy in float formats (`TiedEmbedding`). `gguf_tensors` maps weight
-    names to raw GGUF tensors, which int4 repacks directly.
+    names to raw GGUF tensors, which int4 repacks directly and "int4-mixed" reads the
+    stored precision of (a fused product with any int8 part is int8 throughout).
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; choose from {', '.join(FORMATS)}")
@@ -536,7 +545,7 @@ def quantize_model(model: nn.Module, fmt: str, gguf_tensors: dict | None = None)
         embedding = model.model.embed_tokens.weight
         head = nn.Linear(embedding.shape[1], embedding.shape[0], bias=False)
         head.weight = nn.Parameter(embedding, requires_grad=False)
-        model.lm_head = pack_linear(head, fmt)
+        model.lm_head = pack_linear(head, fmt, gguf_tensors.get("model.embed_tokens.weight"))
         if model.lm_head.canonical()[0].data_ptr() == embedding.data_ptr():
             share_tied_embedding(model)  # float formats: one table for both
     from verispec.fast import attach_fast_path

@@ -51,7 +51,7 @@ def probability(text: str) -> float:
     return value
 
 
-WEIGHT_FORMATS = ["float32", "bfloat16", "float16", "int8", "int4"]
+WEIGHT_FORMATS = ["float32", "bfloat16", "float16", "int8", "int4", "int4-mixed"]
 
 
 def add_slack_option(parser: argparse.ArgumentParser) -> None:

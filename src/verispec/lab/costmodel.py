@@ -140,6 +140,8 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     WeightFormat("int8", 8, 2048, 4, head="float32"),
     # verispec's int4: groups of 32 with a bfloat16 scale and zero point; lm_head stays float32
     WeightFormat("int4", 4, 32, 4, head="float32"),
+    # int4 with int8 where the GGUF file stores more bits; the mix is the file's (this is its floor)
+    WeightFormat("int4-mixed", 4, 32, 4, head="int8"),
     # llama.cpp block formats, for GGUF-served settings: Q8_0 = 34 bytes / 32 weights,
     # Q4_K = 144 bytes / 256 weights (Q4_K_M mixes in some Q6_K; this is its floor)
     WeightFormat("q8_0", 8, 32, 2),

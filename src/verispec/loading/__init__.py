@@ -14,6 +14,7 @@ from verispec.errors import CorruptModelError, ModelNotFoundError, VerispecError
 from verispec.loading.demo_models import DEMO_MODELS, is_intact, model_path
 from verispec.loading.tokenizer import Tokenizer
 from verispec.models import build_model, check_supported
+from verispec.quant import FORMATS, PACKED_FORMATS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -121,7 +122,7 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
                weights: str | None = None) -> LoadedModel:
     """Load a demo model name, a GGUF file or a Hugging Face folder.
 
-    `weights` picks the weight format (float32, bfloat16, float16, int8, int4);
+    `weights` picks the weight format (float32, bfloat16, float16, int8, int4, int4-mixed);
     by default the format follows `dtype`.
     """
     started = time.perf_counter()
@@ -140,11 +141,11 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
         raise VerispecError("--device cuda was asked for, but no CUDA device is available")
     path = resolve(spec)
     fmt = weights or {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-    if fmt not in ("int8", "int4") and fmt not in DTYPES:
-        raise VerispecError(f"unknown weight format {fmt!r}; choose from float32, bfloat16, float16, int8, int4")
+    if fmt not in FORMATS:
+        raise VerispecError(f"unknown weight format {fmt!r}; choose from {', '.join(FORMATS)}")
     from verispec.kernels import cpu_kernels
     # float formats are packed too on the CPU: fused projections on the fast kernels
-    packed = fmt in ("int8", "int4") or (device.type == "cpu" and cpu_kernels() is not None)
+    packed = fmt in PACKED_FORMATS or (device.type == "cpu" and cpu_kernels() is not None)
     meta: dict = {}
     quantized: dict = {}
     mapped: set[int] = set()  # storages still in a file's memory map
@@ -167,7 +168,7 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
         if cached is not None:
             cached, config, tokenizer, mapped = cached
         else:
-            config, state, meta, quantized = load_gguf(path, dtype, keep_quantized=fmt == "int4")
+            config, state, meta, quantized = load_gguf(path, dtype, keep_quantized=fmt in ("int4", "int4-mixed"))
             tokenizer = from_gguf(path, meta)
     else:
         raise CorruptModelError(f"{path}: neither a GGUF file nor a Hugging Face folder")

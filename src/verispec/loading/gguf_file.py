@@ -192,8 +192,8 @@ def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False
               ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
     """Returns (config, state_dict, metadata, quantized) for a GGUF file.
 
-    `quantized` maps a Hugging Face weight name to its raw GGUF tensor, when
-    keep_quantized is set and the weight is stored in a block format.
+    `quantized` maps a Hugging Face weight name to its raw GGUF tensor (its blocks and its
+    stored type), for every matrix whose rows are stored in order, when keep_quantized is set.
     """
     reader = open_reader(path)
     meta = metadata(reader)
@@ -225,7 +225,7 @@ def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False
             value = unpermute_qk(value, config.num_attention_heads)
         elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
             value = unpermute_qk(value, config.num_key_value_heads)
-        elif keep_quantized and value.dim() == 2 and tensor.tensor_type.name not in ("F32", "F16", "BF16"):
+        elif keep_quantized and value.dim() == 2:
             quantized[name] = tensor
         state[name] = value.to(dtype)
     return config, state, meta, quantized
