@@ -20,7 +20,7 @@ import torch
 
 from perf_common import free, machine_load, save, verdict
 
-FORMATS = ("bfloat16", "int8", "int4")
+FORMATS = ("bfloat16", "int8", "int4", "int4-mixed")
 
 
 @torch.inference_mode()
@@ -43,6 +43,7 @@ def main() -> int:
     parser.add_argument("--models", nargs="+", default=None)
     parser.add_argument("--prompts", type=int, default=None)
     parser.add_argument("--tokens", type=int, default=None)
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     models = args.models or (["qwen2.5-coder-0.5b"] if args.quick else ["qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"])
@@ -63,7 +64,7 @@ def main() -> int:
             ids = encode_prompt(reference_model.tokenizer, prompt.text, chat=True)
             cases.append((ids, generate(reference_model, ids, max_tokens=tokens, ignore_eos=True).token_ids))
         free(reference_model)
-        for fmt in FORMATS:
+        for fmt in args.formats:
             loaded = load_model(name, "bfloat16" if fmt == "bfloat16" else "float32", weights=fmt)
             agree = sum(next_token_agreement(loaded.model, ids, ref) for ids, ref in cases)
             outputs = [generate(loaded, ids, max_tokens=tokens, ignore_eos=True).token_ids for ids, _ in cases]
@@ -76,7 +77,8 @@ def main() -> int:
                           f"identical outputs {identical}/{len(cases)}, mean identical prefix {prefix:.1f} tokens",
                           None))
             free(loaded)
-    save("agreement" + ("_quick" if args.quick else ""), {"prompts": count, "tokens": tokens, "results": record})
+    save("agreement" + ("_quick" if args.quick else "") + ("" if args.formats == list(FORMATS) else "_" + "_".join(args.formats)),
+         {"prompts": count, "tokens": tokens, "results": record})
     return 0
 
 
