@@ -19,9 +19,8 @@ import argparse
 import sys
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
-import torch
 
-from perf_common import machine_load, save, warn_if_busy
+from perf_common import load_pair, save
 
 
 def run(target, prompt: str, tokens: int, **options):
@@ -72,15 +71,9 @@ def main() -> int:
     args = parser.parse_args()
 
     from verispec.lab.prompts import load_prompts
-    from verispec.loading import load_model
 
-    target = load_model(args.target, weights=args.weights)
-    draft = load_model(args.draft, weights=args.draft_weights)
-    print(f"draft vocabulary: {target.name} ({args.weights}) with {draft.name} ({args.draft_weights}), γ = {args.gamma}, "
-          f"{args.tokens} tokens, {torch.get_num_threads()} threads, {machine_load()}")
-    warn_if_busy()
-    record: dict = {"target": args.target, "draft": args.draft, "weights": args.weights,
-                    "draft_weights": args.draft_weights, "gamma": args.gamma, "tokens": args.tokens, "categories": {}}
+    target, draft, record = load_pair(args, "draft vocabulary", f"γ = {args.gamma}, {args.tokens} tokens")
+    record.update(gamma=args.gamma, tokens=args.tokens, categories={})
     all_valid = True
     for category in args.categories:
         prompts = load_prompts(f"spec-bench:{category}", limit=args.prompts)

@@ -100,3 +100,17 @@ def free(*objects) -> None:
     for obj in objects:
         del obj
     gc.collect()
+
+
+def load_pair(args, title: str, details: str):
+    """The target and draft that args name (.target, .weights, .draft, .draft_weights),
+    after a header line; and the fields every record of the pair starts with."""
+    from verispec.loading import load_model
+
+    target = load_model(args.target, weights=args.weights)
+    draft = load_model(args.draft, weights=args.draft_weights)
+    print(f"{title}: {target.name} ({args.weights}) with {draft.name} ({args.draft_weights}), {details}, "
+          f"{torch.get_num_threads()} threads, {machine_load()}")
+    warn_if_busy()
+    record = {"target": args.target, "draft": args.draft, "weights": args.weights, "draft_weights": args.draft_weights}
+    return target, draft, record

@@ -16,9 +16,8 @@ import argparse
 import sys
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
-import torch
 
-from perf_common import machine_load, save, verdict, warn_if_busy
+from perf_common import load_pair, save, verdict
 
 
 def run(target, prompt: str, tokens: int, **options):
@@ -84,15 +83,9 @@ def main() -> int:
     tokens = args.tokens or (32 if args.quick else 128)
 
     from verispec.lab.prompts import load_prompts
-    from verispec.loading import load_model
 
-    target = load_model(args.target, weights=args.weights)
-    draft = load_model(args.draft, weights=args.draft_weights)
-    print(f"speculative speed-up: {target.name} ({args.weights}) with {draft.name} ({args.draft_weights}), "
-          f"{torch.get_num_threads()} threads, {tokens} tokens, {machine_load()}")
-    warn_if_busy()
-    record: dict = {"target": args.target, "draft": args.draft, "weights": args.weights,
-                    "draft_weights": args.draft_weights, "tokens": tokens, "sweeps": {}}
+    target, draft, record = load_pair(args, "speculative speed-up", f"{tokens} tokens")
+    record.update(tokens=tokens, sweeps={})
     met4 = True
     for category in [] if args.skip_sweep else args.categories:
         prompts = load_prompts(f"spec-bench:{category}", limit=per_category)

@@ -10,7 +10,6 @@ import tiny
 from verispec import kernels
 from verispec.errors import VerispecError
 from verispec.generate import generate
-from verispec.loading import load_model
 from verispec.quant import FORMATS
 
 PROMPT = "def add(a, b):"
@@ -23,8 +22,7 @@ def folder(tmp_path_factory):
     return path
 
 
-def _load(folder, fmt):
-    return load_model(folder, "bfloat16" if fmt == "bfloat16" else "float32", weights=fmt)
+_load = tiny.load_as
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

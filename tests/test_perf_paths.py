@@ -59,8 +59,7 @@ def folder(tmp_path_factory):
     return path
 
 
-def _load(folder, fmt):
-    return load_model(folder, "bfloat16" if fmt == "bfloat16" else "float32", weights=fmt)
+_load = tiny.load_as
 
 
 def _plain_reference(folder, fmt):

@@ -162,3 +162,10 @@ def write_gguf(path: Path, hf_model, arch: str) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def load_as(folder: Path, fmt: str):
+    """The model in `folder` in weight format `fmt` (bfloat16 activations for bfloat16 weights)."""
+    from verispec.loading import load_model
+
+    return load_model(folder, "bfloat16" if fmt == "bfloat16" else "float32", weights=fmt)
