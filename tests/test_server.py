@@ -11,7 +11,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from verispec.config import ModelConfig
-from verispec.errors import TokenizerMismatchError
+from verispec.errors import TokenizerMismatchError, VerispecError
 from verispec.generate import generate
 from verispec.loading import LoadedModel
 from verispec.loading.tokenizer import Tokenizer
@@ -216,7 +216,6 @@ def test_seeded_sampling_repeats(client):
 
 
 def test_seed_range_is_what_torch_accepts():
-    from verispec.errors import VerispecError
     from verispec.sampling import SEED_MAX, SEED_MIN, SamplingParams
 
     for seed in (SEED_MIN, -1, 0, SEED_MAX):
@@ -253,6 +252,15 @@ def test_ngram_draft_equals_baseline(client, target):
     speculative = ngram_client.post("/v1/completions", json=request).json()
     assert speculative["choices"] == client.post("/v1/completions", json=request).json()["choices"]
     assert speculative["verispec"]["draft"] == "ngram"
+
+
+def test_a_limited_draft_vocabulary_serves_the_same_answer(client, target):
+    limited = TestClient(create_app(target, draft=target, gamma=3, draft_vocab=100))
+    request = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    answer = limited.post("/v1/completions", json=request).json()
+    assert answer["choices"] == client.post("/v1/completions", json=request).json()["choices"]
+    with pytest.raises(VerispecError, match="applies to a draft model only"):
+        create_app(target, draft="ngram", draft_vocab=100)
 
 
 def test_metrics_counters_move(target):
