@@ -51,7 +51,7 @@ class DraftModelProposer:
         self.cache = self.model.new_cache(max_len)
         self.offset = 0
         if prefill and self._readable(prompt_ids):
-            self.model(torch.tensor([prompt_ids], device=self.device), self.cache, last_only=True)
+            self.model(torch.tensor([prompt_ids], device=self.device), self.cache, last_only=True, **self.outputs)
 
     def lag(self, context: list[int]) -> int:
         """How many tokens of the context the draft has not read yet."""
@@ -69,7 +69,8 @@ class DraftModelProposer:
             self.cache.rollback(0)
         start, end = self.offset + self.cache.length, len(context) - 1
         if end > start and self._readable(context[start:end]):
-            self.model(torch.tensor([context[start:end]], device=self.device), self.cache, last_only=True)
+            feed = torch.tensor([context[start:end]], device=self.device)
+            self.model(feed, self.cache, last_only=True, **self.outputs)
 
     @torch.inference_mode()
     def propose(self, context: list[int], gamma: int, params: SamplingParams,
