@@ -17,9 +17,10 @@ multiplied by m rows, in three ways:
 and three plain sums read a buffer of the same size (`stream_sum`: without and with fetching
 ahead, and as two streams per thread). With --prefetch, the panels run once per prefetch
 distance instead (0: the hardware prefetcher alone); with --streams, once per number of
-streams each thread reads side by side (`set_panel_streams`; two apply to one-row int8
-and int4 products only, so the float formats read the same either way). int4's row-major kernel is the float32 one (`linear_int4`). Everything is interleaved round by round in one process, so a change in machine
-load hits all alike; medians are given as GB/s of weights read.
+streams each thread reads side by side (`set_panel_streams`, one-row products). int4's
+row-major kernel is the float32 one (`linear_int4`). Everything is interleaved round by
+round in one process, so a change in machine load hits all alike; medians are given as
+GB/s of weights read.
 """
 
 from __future__ import annotations

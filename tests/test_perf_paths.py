@@ -345,9 +345,9 @@ def test_the_prefetch_distance_changes_speed_only():
 
 @needs_int8_panels
 def test_one_row_products_read_by_region_give_the_rows_of_a_longer_pass():
-    """A one-row product reads one region of panels per thread (int8 and int4 as two streams
-    side by side, or one): the very rows a three-row pass gives (111 panels: two regions, of
-    odd and even length)."""
+    """A one-row product reads one region of panels per thread (as two streams side by side,
+    or one): the very rows a three-row pass gives (111 panels: two regions, of odd and even
+    length)."""
     k = kernels.cpu_kernels()
     gen = torch.Generator().manual_seed(14)
     n = 16 * 111
@@ -357,7 +357,8 @@ def test_one_row_products_read_by_region_give_the_rows_of_a_longer_pass():
     floats = {dtype: to_panels(torch.randn(n, 256, generator=gen).to(dtype)) for dtype in (torch.float32, torch.bfloat16)}
     products = [lambda x, r: k.linear_int8_panels(x, panels8, int8.scale, int8.bias, r),
                 lambda x, r: k.linear_int4_panels(x, panels4, int4.bias, r),
-                *[lambda x, r, p=p: k.linear_float_panels(x, p, None, r) for p in floats.values()]]
+                *[lambda x, r, p=p: k.linear_float_panels(x, p, None, r) for p in floats.values()],
+                lambda x, r: k.linear_float_panels(x, floats[torch.bfloat16], int8.bias, r)]
     x, residual = _rows(256, seed=16, count=3), torch.randn(3, n, generator=gen)
     default = k.panel_streams()
     try:

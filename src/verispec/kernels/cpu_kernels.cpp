@@ -187,7 +187,7 @@ inline void with_rows(int rows, const Fn& fn) {
   with_rows<Max>(rows, fn, std::make_integer_sequence<int, Max>{});
 }
 
-// How many streams each thread reads side by side in a one-row integer product: 2 unless
+// How many streams each thread reads side by side in a one-row product: 2 unless
 // `set_panel_streams` changes it. One core's hardware prefetcher keeps more of memory in
 // flight for two sequential streams than for one: on this class of machine one core read
 // int8 panels at 32.5 GB/s as one stream and 34.0 as two, int4 at 33.7 and 37.3
@@ -254,10 +254,12 @@ void for_each_panel_region(const uint8_t* panels, int64_t count, int64_t stride,
 // 10 + 7). tile(rows, p, q, row0, fetch_end, ahead) computes rows [row0, row0 + rows) of
 // panel p, and of panel q too when q >= 0.
 //
-// A one-row product (a plain decoding step) reads one region per thread: with `pairs` (the
-// integer formats) as two streams, by the hardware prefetcher alone (software prefetching
-// two streams read less), otherwise as one stream fetched `stream_prefetch()` bytes ahead
-// (two read no more for float weights on this class of machine). With more rows, each
+// A one-row product (a plain decoding step) reads one region per thread: with `pairs` (every
+// panel format) as two streams, by the hardware prefetcher alone (software prefetching two
+// streams read less), or with set_panel_streams(1) as one stream fetched
+// `stream_prefetch()` bytes ahead. In the host's fast spells two streams read bfloat16
+// panels at 80.0 GB/s against 71.8 as one, float32 at 83.8 against 78.9
+// (`benchmarks/weight_streams.py --formats bfloat16 float32 --rows 1 --streams 1 2`). With more rows, each
 // thread takes pieces of about an eighth of its share from a shared counter, each piece a
 // stream fetched ahead, and only each panel's first tile fetches.
 template <class Tile>
@@ -955,12 +957,53 @@ __attribute__((noinline)) void float_panel_tile(const uint8_t* panel, int64_t k,
   }
 }
 
+// one row x the 16 columns of two panels read side by side (each column's sums in the same
+// order as float_panel_tile<P, 1>, so the same bits)
+template <class P>
+__attribute__((noinline)) void float_panel_pair(const uint8_t* pa, const uint8_t* pb, int64_t k, const float* x,
+                                                float* y, int64_t col_a, int64_t col_b, const float* bias,
+                                                const float* residual) {
+  constexpr int L = P::kPerLine, kLinesPerStep = 4 / L;
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  for (int64_t kk = 0; kk < k; kk += 4) {
+    const uint8_t *la = pa + kk / L * 64, *lb = pb + kk / L * 64;
+    __m512 wa[4], wb[4];
+    for (int l = 0; l < kLinesPerStep; ++l) {
+      P::unpack(_mm512_loadu_si512(la + 64 * l), wa + l * L);
+      P::unpack(_mm512_loadu_si512(lb + 64 * l), wb + l * L);
+    }
+    const __m512 x0 = _mm512_set1_ps(x[kk]), x1 = _mm512_set1_ps(x[kk + 1]);
+    const __m512 x2 = _mm512_set1_ps(x[kk + 2]), x3 = _mm512_set1_ps(x[kk + 3]);
+    a0 = _mm512_fmadd_ps(wa[0], x0, a0);
+    a1 = _mm512_fmadd_ps(wa[1], x1, a1);
+    a2 = _mm512_fmadd_ps(wa[2], x2, a2);
+    a3 = _mm512_fmadd_ps(wa[3], x3, a3);
+    b0 = _mm512_fmadd_ps(wb[0], x0, b0);
+    b1 = _mm512_fmadd_ps(wb[1], x1, b1);
+    b2 = _mm512_fmadd_ps(wb[2], x2, b2);
+    b3 = _mm512_fmadd_ps(wb[3], x3, b3);
+  }
+  const int64_t cols[2] = {col_a, col_b};
+  const __m512 sums[2] = {_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
+                          _mm512_add_ps(_mm512_add_ps(b0, b1), _mm512_add_ps(b2, b3))};
+  for (int j = 0; j < 2; ++j) {
+    __m512 v = sums[j];
+    if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + cols[j]));
+    if (residual) v = _mm512_add_ps(v, _mm512_loadu_ps(residual + cols[j]));
+    _mm512_storeu_ps(y + cols[j], v);
+  }
+}
+
 template <class P>
 void matmul_float_panels(const uint8_t* panels, int64_t n, int64_t k, const float* x, int64_t m, float* y,
                          const float* bias, const float* residual) {
   const int64_t stride = kPanel * k * 4 / P::kPerLine;
-  for_each_panel_tile(panels, n / kPanel, stride, k, m, kFloatPanelRows, false,
-                      [&](int rows, int64_t p, int64_t, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
+  for_each_panel_tile(panels, n / kPanel, stride, k, m, kFloatPanelRows, true,
+                      [&](int rows, int64_t p, int64_t q, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
+    if (q >= 0) {  // a one-row product reading two streams
+      float_panel_pair<P>(panels + p * stride, panels + q * stride, k, x, y, p * kPanel, q * kPanel, bias, residual);
+      return;
+    }
     const uint8_t* panel = panels + p * stride;
     const float* xr = x + row0 * k;
     float* yr = y + row0 * n;
