@@ -364,8 +364,13 @@ def panel_shape(out_features: int, in_features: int, dtype: torch.dtype) -> tupl
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] -> [out/16, in/L, 16, L], L = 4 bytes / element size: each 64-byte line holds
     L consecutive inputs of 16 output columns (the layout of `linear_float_panels` and
-    `linear_int8_panels`)."""
+    `linear_int8_panels`). For int8 each line holds inputs 4t, 4t+1 of the 16 columns in
+    its first half and 4t+2, 4t+3 in its second (pairs side by side), so that widening a
+    half to 16 bits gives the pairs `vpdpwssd` multiplies; the shape is the same."""
     out_features, in_features = weight.shape
+    if weight.dtype == torch.int8:
+        return (weight.reshape(out_features // PANEL, PANEL, in_features // 4, 2, 2)
+                .permute(0, 2, 3, 1, 4).contiguous().view(out_features // PANEL, in_features // 4, PANEL, 4))
     per_dword = 4 // weight.element_size()
     return (weight.reshape(out_features // PANEL, PANEL, in_features // per_dword, per_dword)
             .permute(0, 2, 1, 3).contiguous())
@@ -374,6 +379,8 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
 def from_panels(panels: torch.Tensor) -> torch.Tensor:
     """The [out, in] weight of `to_panels`' layout."""
     count, dwords, _, per_dword = panels.shape
+    if panels.dtype == torch.int8:
+        return panels.view(count, dwords, 2, PANEL, 2).permute(0, 3, 1, 2, 4).reshape(count * PANEL, dwords * 4)
     return panels.permute(0, 2, 1, 3).reshape(count * PANEL, dwords * per_dword)
 
 

@@ -1044,14 +1044,16 @@ at::Tensor linear_float_panels(const at::Tensor& x, const at::Tensor& panels, co
 // Instead each row is rounded, per group of 32 inputs, to int16: dx = max|x| / 32767,
 // xq = round(x / dx). That is a relative error of at most 1.5e-5 of the group's largest
 // value, a hundred times finer than bfloat16's rounding, so the format stays weight-only
-// in effect. Per 64-byte line (inputs 4t..4t+3 of 16 columns) two shifts give the weights
-// (4t, 4t+2) and (4t+1, 4t+3) as 16-bit pairs, and two `vpdpwssd` per row add them times
-// the matching activation pairs. A group's int32 sums are exact (32 products of at most
+// in effect. Each 64-byte line holds inputs 4t, 4t+1 of 16 columns in its first half and
+// 4t+2, 4t+3 in its second (`quant.to_panels`): one `vpmovsxbw` per half loads and widens
+// its weights to 16-bit pairs, and two `vpdpwssd` per row add them times the matching
+// activation pairs. (The line used to hold each column's four inputs together, which took
+// three shifts to pair up: more instructions per byte, so fewer lines in flight.) A group's int32 sums are exact (32 products of at most
 // 2^15 * 2^7), and each row's float accumulator sees one multiply-add per group in every
 // tile, so rows stay bit-identical whatever m is.
 constexpr int kInt8PanelRows = 10;
 
-struct Int16Rows {  // per row: k/2 dwords (pairs of int16: inputs (4t, 4t+2), then (4t+1, 4t+3)), dx per group
+struct Int16Rows {  // per row: k/2 dwords (pairs of int16: inputs (2i, 2i+1)), dx per group
   std::vector<int32_t> pairs;
   std::vector<float> dx;
 };
@@ -1062,15 +1064,12 @@ Int16Rows round_rows_int16(const float* x, int64_t m, int64_t k) {
   const int64_t groups = k / kGroup;
   r.pairs.resize(m * k / 2);
   r.dx.resize(m * groups);
-  // within each 4 inputs, 16-bit values in the order 0, 2, 1, 3
-  const __m256i order = _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15,
-                                         0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
   for (int64_t i = 0; i < m * groups; ++i) {
     __m512i qa, qb;
     const float dx = round_group(x + i * kGroup, 32767.0f, qa, qb);
     auto* dst = reinterpret_cast<__m256i*>(r.pairs.data() + i * (kGroup / 2));
-    _mm256_storeu_si256(dst, _mm256_shuffle_epi8(_mm512_cvtepi32_epi16(qa), order));
-    _mm256_storeu_si256(dst + 1, _mm256_shuffle_epi8(_mm512_cvtepi32_epi16(qb), order));
+    _mm256_storeu_si256(dst, _mm512_cvtepi32_epi16(qa));
+    _mm256_storeu_si256(dst + 1, _mm512_cvtepi32_epi16(qb));
     r.dx[i] = dx;
   }
   return r;
@@ -1101,15 +1100,16 @@ __attribute__((noinline)) void int8_panel_tile(const int8_t* const* panel, int64
     for (int t = 0; t < kGroup / 4; ++t) {
       if (fetch) _mm_prefetch(reinterpret_cast<const char*>(lines[0] + ahead + 64 * t), _MM_HINT_T0);
       for (int j = 0; j < S; ++j) {
-        const __m512i v = _mm512_loadu_si512(lines[j] + 64 * t);
-        const __m512i even = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8);  // inputs 4t, 4t+2
-        const __m512i odd = _mm512_srai_epi16(v, 8);                          // inputs 4t+1, 4t+3
+        const __m512i first = _mm512_cvtepi8_epi16(  // inputs 4t, 4t+1
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lines[j] + 64 * t)));
+        const __m512i second = _mm512_cvtepi8_epi16(  // inputs 4t+2, 4t+3
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lines[j] + 64 * t + 32)));
         for (int r = 0; r < R; ++r) {
           const int32_t* xp = xr.pairs.data() + (row0 + r) * (k / 2) + g * (kGroup / 2) + 2 * t;
           __m512i& a = sums[(2 * t) % kChains][j * R + r];
-          a = _mm512_dpwssd_epi32(a, even, _mm512_set1_epi32(xp[0]));
+          a = _mm512_dpwssd_epi32(a, first, _mm512_set1_epi32(xp[0]));
           __m512i& b = sums[(2 * t + 1) % kChains][j * R + r];
-          b = _mm512_dpwssd_epi32(b, odd, _mm512_set1_epi32(xp[1]));
+          b = _mm512_dpwssd_epi32(b, second, _mm512_set1_epi32(xp[1]));
         }
       }
     }
