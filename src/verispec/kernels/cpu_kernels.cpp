@@ -293,6 +293,29 @@ void for_each_panel_tile(const uint8_t* panels, int64_t count, int64_t stride, i
   });
 }
 
+// The tile loop of the integer panel products (int4, int8), whose tiles read S panels side
+// by side: tile(R, S, panel[S], col0[S], row0, y_rows, residual_rows, fetch_end, ahead) with
+// R and S as std::integral_constant, a one-row product's pairs as <1, 2>, otherwise <rows, 1>.
+template <int MaxRows, class Tile>
+void for_each_integer_tile(const uint8_t* panels, int64_t n, int64_t k, int64_t m, int64_t stride, float* y,
+                           const float* residual, const Tile& tile) {
+  for_each_panel_tile(panels, n / kPanel, stride, k, m, MaxRows, true,
+                      [&](int rows, int64_t p, int64_t q, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
+    const uint8_t* panel[2] = {panels + p * stride, panels + q * stride};
+    const int64_t col0[2] = {p * kPanel, q * kPanel};
+    float* yr = y + row0 * n;
+    const float* rr = residual ? residual + row0 * n : nullptr;
+    if (q >= 0) {  // two streams
+      tile(std::integral_constant<int, 1>{}, std::integral_constant<int, 2>{}, panel, col0, row0, yr, rr, nullptr,
+           int64_t{0});
+      return;
+    }
+    with_rows<MaxRows>(rows, [&](auto r) {
+      tile(r, std::integral_constant<int, 1>{}, panel, col0, row0, yr, rr, fetch_end, ahead);
+    });
+  });
+}
+
 // ------------------------------------------------------------------ SIMD layer
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -798,16 +821,12 @@ void matmul_panels(const uint8_t* panels, int64_t n, int64_t k, const float* x, 
                    const float* bias, const float* residual) {
   const RoundedRows xr = round_rows(x, m, k);
   const int64_t groups = k / kGroup, stride = groups * kPanelGroupBytes;
-  for_each_panel_tile(panels, n / kPanel, stride, k, m, kPanelRows, true,
-                      [&](int rows, int64_t p, int64_t q, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
-    const uint8_t* panel[2] = {panels + p * stride, panels + q * stride};
-    const int64_t col0[2] = {p * kPanel, q * kPanel};
-    float* yr = y + row0 * n;
-    const float* rr = residual ? residual + row0 * n : nullptr;
-    if (q >= 0) return panel_tile<1, 2>(panel, groups, xr, row0, k, yr, n, col0, bias, rr, nullptr, 0);  // two streams
-    with_rows<kPanelRows>(rows, [&](auto r) {
-      panel_tile<decltype(r)::value, 1>(panel, groups, xr, row0, k, yr, n, col0, bias, rr, fetch_end, ahead);
-    });
+  for_each_integer_tile<kPanelRows>(panels, n, k, m, stride, y, residual,
+                                    [&](auto rows, auto streams, const uint8_t* const* panel, const int64_t* col0,
+                                        int64_t row0, float* yr, const float* rr, const uint8_t* fetch_end,
+                                        int64_t ahead) {
+    panel_tile<decltype(rows)::value, decltype(streams)::value>(panel, groups, xr, row0, k, yr, n, col0, bias, rr,
+                                                                fetch_end, ahead);
   });
 }
 
@@ -1077,7 +1096,7 @@ Int16Rows round_rows_int16(const float* x, int64_t m, int64_t k) {
 
 // rows [0, R) x the 16 columns of S panels (read side by side), over all k
 template <int R, int S>
-__attribute__((noinline)) void int8_panel_tile(const int8_t* const* panel, int64_t k, const Int16Rows& xr, int64_t row0,
+__attribute__((noinline)) void int8_panel_tile(const uint8_t* const* panel, int64_t k, const Int16Rows& xr, int64_t row0,
                                                float* y, int64_t ldy, const int64_t* col0, const float* scale,
                                                const float* bias, const float* residual, const uint8_t* fetch_end,
                                                int64_t ahead) {
@@ -1090,7 +1109,7 @@ __attribute__((noinline)) void int8_panel_tile(const int8_t* const* panel, int64
   for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* lines[S];
-    for (int j = 0; j < S; ++j) lines[j] = reinterpret_cast<const uint8_t*>(panel[j]) + g * kGroup * kPanel;
+    for (int j = 0; j < S; ++j) lines[j] = panel[j] + g * kGroup * kPanel;
     const bool fetch = fetch_end && lines[0] + ahead + 512 <= fetch_end;
     __m512i s0[N], s1[N], s2[N], s3[N], s4[N], s5[N], s6[N], s7[N];
     __m512i* sums[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
@@ -1142,20 +1161,16 @@ at::Tensor linear_int8_panels(const at::Tensor& x, const at::Tensor& panels, con
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
   const Int16Rows xr = round_rows_int16(x.data_ptr<float>(), m, k);
-  const int8_t* w = panels.data_ptr<int8_t>();
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(panels.data_ptr<int8_t>());
   const float *sp = scale.data_ptr<float>(), *bp = optional_ptr(bias, n), *rp = optional_ptr(residual, m * n);
   float* yp = y.data_ptr<float>();
   const int64_t stride = kPanel * k;
-  for_each_panel_tile(reinterpret_cast<const uint8_t*>(w), n / kPanel, stride, k, m, kInt8PanelRows, true,
-                      [&](int rows, int64_t p, int64_t q, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
-    const int8_t* panel[2] = {w + p * stride, w + q * stride};
-    const int64_t col0[2] = {p * kPanel, q * kPanel};
-    float* yr = yp + row0 * n;
-    const float* rr = rp ? rp + row0 * n : nullptr;
-    if (q >= 0) return int8_panel_tile<1, 2>(panel, k, xr, row0, yr, n, col0, sp, bp, rr, nullptr, 0);  // two streams
-    with_rows<kInt8PanelRows>(rows, [&](auto r) {
-      int8_panel_tile<decltype(r)::value, 1>(panel, k, xr, row0, yr, n, col0, sp, bp, rr, fetch_end, ahead);
-    });
+  for_each_integer_tile<kInt8PanelRows>(w, n, k, m, stride, yp, rp,
+                                        [&](auto rows, auto streams, const uint8_t* const* panel, const int64_t* col0,
+                                            int64_t row0, float* yr, const float* rr, const uint8_t* fetch_end,
+                                            int64_t ahead) {
+    int8_panel_tile<decltype(rows)::value, decltype(streams)::value>(panel, k, xr, row0, yr, n, col0, sp, bp, rr,
+                                                                     fetch_end, ahead);
   });
   return y;
 }
