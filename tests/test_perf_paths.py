@@ -581,6 +581,38 @@ def test_weight_cache_round_trip(tmp_path, monkeypatch, fmt):
     assert all(torch.equal(t, model.state_dict()[n]) for n, t in first.model.state_dict().items())
 
 
+def test_weight_cache_drops_the_entries_of_files_that_are_gone(tmp_path, monkeypatch):
+    """Each copy of a model file has its own entry; once a copy is deleted (a removed checkout
+    or download), the next entry written removes its entry. Entries that do not name their
+    file are kept."""
+    import shutil
+
+    from verispec.loading import weight_cache
+
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(weight_cache, "MIN_FILE_BYTES", 0)
+    monkeypatch.setenv("VERISPEC_CACHE_DIR", str(cache))
+    ref = tiny.save_hf_model(tmp_path / "hf", "qwen2", seed=6)
+    copies = [tmp_path / name / "model.gguf" for name in ("a", "b", "c")]
+    for path in copies:
+        path.parent.mkdir()
+    tiny.write_gguf(copies[0], ref, "qwen2")
+    for path in copies[1:]:
+        shutil.copy(copies[0], path)
+    legacy = cache / "old-model-int8-0.safetensors"
+    loaded = load_model(copies[0], weights="int8")
+    weight_cache.store(legacy, loaded.model, loaded.config, loaded.tokenizer)  # names no file
+    load_model(copies[1], weights="int8")
+    entries = {weight_cache.entry_path(path, "int8", torch.float32) for path in copies[:2]}
+    assert entries | {legacy} == set(cache.glob("*.safetensors"))
+    shutil.rmtree(copies[0].parent)
+    load_model(copies[2], weights="int8")
+    kept = set(cache.glob("*.safetensors"))
+    assert kept == {legacy, weight_cache.entry_path(copies[1], "int8", torch.float32),
+                    weight_cache.entry_path(copies[2], "int8", torch.float32)}
+    assert {p.with_suffix(".json") for p in kept} == set(cache.glob("*.json"))
+
+
 
 
 @needs_kernels

@@ -185,7 +185,7 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
         from verispec.quant import quantize_model
         quantize_model(model, fmt, gguf_tensors=quantized)
         if entry is not None:
-            weight_cache.store(entry, model, config, tokenizer)
+            weight_cache.store(entry, model, config, tokenizer, source=path)
     if packed and device.type == "cpu":
         state = quantized = None  # the decoded tensors: freed before the heap is trimmed
         settle_in_memory(model, mapped)

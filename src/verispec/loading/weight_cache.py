@@ -6,7 +6,9 @@ safetensors file, and the config and tokenizer from a JSON file beside it, takes
 Entries live in ~/.cache/verispec/weights (VERISPEC_CACHE_DIR moves it,
 VERISPEC_WEIGHT_CACHE=0 turns it off), keyed by the model file's path, size and
 modification time, the weight format and a digest of the loading and model code. Small
-files are not cached: decoding them is quick.
+files are not cached: decoding them is quick. An entry is replaced when its file or the
+code changes, and removed once its file is gone (a deleted checkout or download), so the
+folder holds one entry per file that still exists, format and dtype.
 """
 
 from __future__ import annotations
@@ -61,9 +63,28 @@ def _sidecar(entry: Path) -> Path:
     return entry.with_suffix(".json")
 
 
-def store(entry: Path, model: nn.Module, config: ModelConfig, tokenizer: Tokenizer) -> None:
-    """Write the model's weights, which modules are packed, its config and tokenizer.
-    A failure to write only means the next load decodes the file again."""
+def _drop(entry: Path) -> None:
+    entry.unlink(missing_ok=True)
+    _sidecar(entry).unlink(missing_ok=True)
+
+
+def remove_orphans(folder: Path) -> None:
+    """Remove the entries whose model file no longer exists: nothing would read them again.
+    Entries that do not name their file are left alone."""
+    for sidecar in folder.glob("*.json"):
+        try:
+            source = json.loads(sidecar.read_text()).get("source")
+        except (OSError, ValueError):
+            continue
+        if source and not Path(source).exists():
+            _drop(sidecar.with_suffix(".safetensors"))
+
+
+def store(entry: Path, model: nn.Module, config: ModelConfig, tokenizer: Tokenizer,
+          source: Path | None = None) -> None:
+    """Write the model's weights, which modules are packed, its config and tokenizer, and
+    the model file they came from. A failure to write only means the next load decodes the
+    file again."""
     from safetensors.torch import save_file
 
     from verispec.quant import PackedLinear
@@ -85,13 +106,14 @@ def store(entry: Path, model: nn.Module, config: ModelConfig, tokenizer: Tokeniz
                       "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
                       "chat_template": tokenizer.chat_template, "add_bos": tokenizer.add_bos,
                       "bos_id": tokenizer.bos_id},
+        "source": str(source.resolve()) if source is not None else None,
     }
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         slot = entry.stem.rsplit("-", 1)[0]  # stem, file slot and format
         for stale in entry.parent.glob(f"{slot}-*.safetensors"):  # retired by a code or file change
-            stale.unlink(missing_ok=True)
-            _sidecar(stale).unlink(missing_ok=True)
+            _drop(stale)
+        remove_orphans(entry.parent)
         partial = entry.with_suffix(".partial")
         save_file(tensors, str(partial))
         _sidecar(entry).write_text(json.dumps(described))
