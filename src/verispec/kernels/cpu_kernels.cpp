@@ -293,26 +293,33 @@ void for_each_panel_tile(const uint8_t* panels, int64_t count, int64_t stride, i
   });
 }
 
-// The tile loop of the integer panel products (int4, int8), whose tiles read S panels side
-// by side: tile(R, S, panel[S], col0[S], row0, y_rows, residual_rows, fetch_end, ahead) with
-// R and S as std::integral_constant, a one-row product's pairs as <1, 2>, otherwise <rows, 1>.
+// Where an integer panel tile reads and writes: its S panels (side by side) and their first
+// output columns, its first row, the output and residual from that row on, and how far ahead
+// it fetches its stream (fetch_end null: not at all).
+struct IntegerTile {
+  const uint8_t* panel[2];
+  int64_t col0[2];
+  int64_t row0;
+  float* y;
+  const float* residual;
+  const uint8_t* fetch_end;
+  int64_t ahead;
+};
+
+// The tile loop of the integer panel products (int4, int8): tile(R, S, IntegerTile) with R
+// rows and S panels as std::integral_constant, a one-row product's pairs as <1, 2>,
+// otherwise <rows, 1>.
 template <int MaxRows, class Tile>
 void for_each_integer_tile(const uint8_t* panels, int64_t n, int64_t k, int64_t m, int64_t stride, float* y,
                            const float* residual, const Tile& tile) {
   for_each_panel_tile(panels, n / kPanel, stride, k, m, MaxRows, true,
                       [&](int rows, int64_t p, int64_t q, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
-    const uint8_t* panel[2] = {panels + p * stride, panels + q * stride};
-    const int64_t col0[2] = {p * kPanel, q * kPanel};
-    float* yr = y + row0 * n;
-    const float* rr = residual ? residual + row0 * n : nullptr;
-    if (q >= 0) {  // two streams
-      tile(std::integral_constant<int, 1>{}, std::integral_constant<int, 2>{}, panel, col0, row0, yr, rr, nullptr,
-           int64_t{0});
-      return;
-    }
-    with_rows<MaxRows>(rows, [&](auto r) {
-      tile(r, std::integral_constant<int, 1>{}, panel, col0, row0, yr, rr, fetch_end, ahead);
-    });
+    const IntegerTile t{{panels + p * stride, panels + q * stride}, {p * kPanel, q * kPanel}, row0, y + row0 * n,
+                        residual ? residual + row0 * n : nullptr, fetch_end, ahead};
+    if (q >= 0)  // a one-row product's two streams (fetched by the hardware prefetcher alone)
+      tile(std::integral_constant<int, 1>{}, std::integral_constant<int, 2>{}, t);
+    else
+      with_rows<MaxRows>(rows, [&](auto r) { tile(r, std::integral_constant<int, 1>{}, t); });
   });
 }
 
@@ -762,9 +769,12 @@ inline __m512i broadcast_dword(const int8_t* p) {
 // multiply-adds per group in every tile, so the result does not depend on R.
 // Not inlined: each tile size keeps its own register allocation.
 template <int R, int S>
-__attribute__((noinline)) void panel_tile(const uint8_t* const* panel, int64_t groups, const RoundedRows& xr, int64_t row0,
-                                          int64_t k, float* y, int64_t ldy, const int64_t* col0, const float* bias,
-                                          const float* residual, const uint8_t* fetch_end, int64_t ahead) {
+__attribute__((noinline)) void panel_tile(const IntegerTile& tile, int64_t groups, const RoundedRows& xr, int64_t k,
+                                          int64_t ldy, const float* bias) {
+  const uint8_t *const *panel = tile.panel, *fetch_end = tile.fetch_end;
+  const int64_t *col0 = tile.col0, row0 = tile.row0, ahead = tile.ahead;
+  float* y = tile.y;
+  const float* residual = tile.residual;
   constexpr int kChains = std::max(1, (R <= 2 ? 4 : (R <= 4 ? 2 : 1)) / S);  // independent int32 sums per row
   constexpr int N = S * R;  // row r of panel j at j * R + r
   const __m512i low = _mm512_set1_epi8(15);
@@ -822,11 +832,8 @@ void matmul_panels(const uint8_t* panels, int64_t n, int64_t k, const float* x, 
   const RoundedRows xr = round_rows(x, m, k);
   const int64_t groups = k / kGroup, stride = groups * kPanelGroupBytes;
   for_each_integer_tile<kPanelRows>(panels, n, k, m, stride, y, residual,
-                                    [&](auto rows, auto streams, const uint8_t* const* panel, const int64_t* col0,
-                                        int64_t row0, float* yr, const float* rr, const uint8_t* fetch_end,
-                                        int64_t ahead) {
-    panel_tile<decltype(rows)::value, decltype(streams)::value>(panel, groups, xr, row0, k, yr, n, col0, bias, rr,
-                                                                fetch_end, ahead);
+                                    [&](auto rows, auto streams, const IntegerTile& tile) {
+    panel_tile<decltype(rows)::value, decltype(streams)::value>(tile, groups, xr, k, n, bias);
   });
 }
 
@@ -1096,10 +1103,12 @@ Int16Rows round_rows_int16(const float* x, int64_t m, int64_t k) {
 
 // rows [0, R) x the 16 columns of S panels (read side by side), over all k
 template <int R, int S>
-__attribute__((noinline)) void int8_panel_tile(const uint8_t* const* panel, int64_t k, const Int16Rows& xr, int64_t row0,
-                                               float* y, int64_t ldy, const int64_t* col0, const float* scale,
-                                               const float* bias, const float* residual, const uint8_t* fetch_end,
-                                               int64_t ahead) {
+__attribute__((noinline)) void int8_panel_tile(const IntegerTile& tile, int64_t k, const Int16Rows& xr, int64_t ldy,
+                                               const float* scale, const float* bias) {
+  const uint8_t *const *panel = tile.panel, *fetch_end = tile.fetch_end;
+  const int64_t *col0 = tile.col0, row0 = tile.row0, ahead = tile.ahead;
+  float* y = tile.y;
+  const float* residual = tile.residual;
   // independent int32 sums per row, so that one row is not held up by the latency of
   // `vpdpwssd` (int32 sums are exact, so their number does not change the result)
   constexpr int kChains = std::max(1, (R == 1 ? 8 : (R == 2 ? 4 : (R <= 5 ? 2 : 1))) / S);
@@ -1165,12 +1174,8 @@ at::Tensor linear_int8_panels(const at::Tensor& x, const at::Tensor& panels, con
   const float *sp = scale.data_ptr<float>(), *bp = optional_ptr(bias, n), *rp = optional_ptr(residual, m * n);
   float* yp = y.data_ptr<float>();
   const int64_t stride = kPanel * k;
-  for_each_integer_tile<kInt8PanelRows>(w, n, k, m, stride, yp, rp,
-                                        [&](auto rows, auto streams, const uint8_t* const* panel, const int64_t* col0,
-                                            int64_t row0, float* yr, const float* rr, const uint8_t* fetch_end,
-                                            int64_t ahead) {
-    int8_panel_tile<decltype(rows)::value, decltype(streams)::value>(panel, k, xr, row0, yr, n, col0, sp, bp, rr,
-                                                                     fetch_end, ahead);
+  for_each_integer_tile<kInt8PanelRows>(w, n, k, m, stride, yp, rp, [&](auto rows, auto streams, const IntegerTile& tile) {
+    int8_panel_tile<decltype(rows)::value, decltype(streams)::value>(tile, k, xr, n, sp, bp);
   });
   return y;
 }
