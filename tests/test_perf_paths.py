@@ -33,6 +33,14 @@ needs_int8_panels = pytest.mark.skipif(not hasattr(kernels.cpu_kernels(), "linea
                                        reason="the int8 kernel with 16-bit activations needs AVX-512 VNNI")
 
 
+def test_the_kernels_build_where_the_processor_can_run_them():
+    """The kernel tests skip where the kernels cannot be built (another processor, no
+    compiler); where the processor has AVX2 a failed build is a failure, not a skip."""
+    if sys.platform != "linux" or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("the kernels need an x86 processor with AVX2")
+    assert kernels.cpu_kernels() is not None, "the CPU kernels failed to build: see the warning above"
+
+
 @contextlib.contextmanager
 def _plain_path(as_int4_kernel: bool = False):
     """PyTorch's path instead of the kernels. With `as_int4_kernel`, int4 layers that run on
