@@ -12,6 +12,10 @@ with one row, taking turns:
                  each one timed; a product starts cold after a different one
   back to back   the 28 products of one kind in a row
   one product    the 240 MB product (10,240 panels of 24 KB): one start per stream
+  loads only     the same back to back and one product read with no arithmetic
+                 (kernels.read_int8_panels: the same regions, streams and pieces), so that
+                 what the layout and the threads cost stands apart from what the products'
+                 arithmetic costs
 
 Each round sits between two read-bandwidth measurements; a way's utilisation is bytes of
 weights over the higher of the two. Medians over the rounds whose measurements agree within
@@ -76,9 +80,18 @@ def measure(rounds: int, layers: int, kernels) -> list[dict]:
             kernels.linear_int8_panels(inputs[name], products[name][layer], scales[name], None, None)
         return time.perf_counter() - started
 
-    def one_product() -> float:
+    def loads_only(name: str) -> float:
         started = time.perf_counter()
-        kernels.linear_int8_panels(long_input, long_product, long_scale, None, None)
+        for layer in range(layers):
+            kernels.read_int8_panels(products[name][layer])
+        return time.perf_counter() - started
+
+    def one_product(read_only: bool = False) -> float:
+        started = time.perf_counter()
+        if read_only:
+            kernels.read_int8_panels(long_product)
+        else:
+            kernels.linear_int8_panels(long_input, long_product, long_scale, None, None)
         return time.perf_counter() - started
 
     layer_order(), one_product()  # first use: caches and page tables
@@ -91,10 +104,13 @@ def measure(rounds: int, layers: int, kernels) -> list[dict]:
                 times.setdefault(f"{name}, layer order", []).append(spent)
             for name in SHAPES:
                 times.setdefault(f"{name}, back to back", []).append(back_to_back(name))
+                times.setdefault(f"{name}, loads only", []).append(loads_only(name))
             times.setdefault("one product", []).append(one_product())
+            times.setdefault("one product, loads only", []).append(one_product(read_only=True))
         after = read_bandwidth(0.5, repeats=2, keep=True)
         best = max(before, after)
-        nbytes = {way: size[way.split(",")[0]] if "," in way else long_product.numel() for way in times}
+        nbytes = {way: long_product.numel() if way.startswith("one product") else size[way.split(",")[0]]
+                  for way in times}
         records.append({"bandwidth_before": before, "bandwidth_after": after,
                         "utilisation": {way: nbytes[way] / median(t) / best for way, t in times.items()}})
     del flat

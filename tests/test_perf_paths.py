@@ -387,6 +387,19 @@ def test_one_row_products_read_by_region_give_the_rows_of_a_longer_pass():
         assert k.stream_sum(t, prefetch, streams) == pytest.approx(exact, abs=1e-2)
 
 
+
+@needs_int8_panels
+def test_reading_int8_panels_without_arithmetic_reads_every_byte():
+    """The benchmarks' yardstick for the panel layout reads every line of every panel, on
+    both threads' regions and an odd panel out (each output: an OR of its panel's lines)."""
+    k = kernels.cpu_kernels()
+    count, inputs = 131, 256  # 131 panels of 16 x 256: two regions, one of them odd
+    panels = torch.randint(-128, 128, (count, inputs // 4, 16, 4), dtype=torch.int8,
+                           generator=torch.Generator().manual_seed(17))
+    seen = k.read_int8_panels(panels).view(torch.uint8).view(count, 64).numpy()
+    lines = panels.view(torch.uint8).view(count, -1, 64).numpy()
+    assert np.array_equal(seen, np.bitwise_or.reduce(lines, axis=1))
+
 def _panel_layers(loaded) -> list[PackedLinear]:
     return [m for m in loaded.model.modules() if isinstance(m, PackedLinear) and m.panels is not None]
 

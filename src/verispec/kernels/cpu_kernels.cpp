@@ -1179,6 +1179,33 @@ at::Tensor linear_int8_panels(const at::Tensor& x, const at::Tensor& panels, con
   });
   return y;
 }
+
+// Reads int8 panels as a one-row linear_int8_panels does (the same regions, streams and
+// pieces) with no arithmetic: how fast the layout alone reads, for benchmarks/product_starts.py.
+// Each output holds an OR of its panel's bytes, so no read can be left out.
+template <int S>
+__attribute__((noinline)) void read_panel_lines(const IntegerTile& tile, int64_t k) {
+  __m512i seen[S];
+  for (int j = 0; j < S; ++j) seen[j] = _mm512_setzero_si512();
+  for (int64_t line = 0; line < k * kPanel / 64; ++line)
+    for (int j = 0; j < S; ++j)
+      seen[j] = _mm512_or_si512(seen[j], _mm512_loadu_si512(tile.panel[j] + 64 * line));
+  for (int j = 0; j < S; ++j) _mm512_storeu_si512(tile.y + tile.col0[j], seen[j]);
+}
+
+at::Tensor read_int8_panels(const at::Tensor& panels) {
+  TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == at::kChar && panels.dim() == 4 &&
+              panels.size(2) == kPanel && panels.size(3) == 4 && panels.is_contiguous(),
+              "int8 panels must be contiguous int8 [n/16, k/4, 16, 4]");
+  const int64_t n = panels.size(0) * kPanel, k = panels.size(1) * 4;
+  at::Tensor y = at::empty({1, n}, panels.options().dtype(at::kFloat));
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(panels.data_ptr<int8_t>());
+  for_each_integer_tile<kInt8PanelRows>(w, n, k, 1, kPanel * k, y.data_ptr<float>(), nullptr,
+                                        [&](auto, auto streams, const IntegerTile& tile) {
+    read_panel_lines<decltype(streams)::value>(tile, k);
+  });
+  return y;
+}
 #endif  // AVX-512 VNNI
 #endif  // AVX-512
 
@@ -1617,6 +1644,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_float_panels", &linear_float_panels,
         "x @ W.T (+ bias) (+ residual) for float W in the panel layout [n/16, k/L, 16, L]");
 #if defined(__AVX512VNNI__)
+  m.def("read_int8_panels", &read_int8_panels,
+        "int8 panels read as a one-row product reads them, without its arithmetic (a benchmark's yardstick)");
   m.def("linear_int8_panels", &linear_int8_panels,
         "x @ (W * scale[:, None]).T (+ bias) (+ residual), int8 W in panels [n/16, k/4, 16, 4], "
         "activations in 16-bit fixed point per group of 32");
