@@ -11,7 +11,7 @@ with one row, taking turns:
   layer order    the products as a step runs them (qkv, o, gate_up, down, next layer ...),
                  each one timed; a product starts cold after a different one
   back to back   the 28 products of one kind in a row
-  one product    the 240 MB product (5,120 panels of 48 KB): one start per stream
+  one product    the 240 MB product (10,240 panels of 24 KB): one start per stream
   loads only     the same back to back and one product read with no arithmetic
                  (kernels.read_int8_panels: the same regions, streams and pieces), so that
                  what the layout and the threads cost stands apart from what the products'
@@ -37,7 +37,7 @@ from stream_layout import spells
 
 SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960)}  # (n, k)
 LAYERS = 28
-LONG_COLUMNS = 163840  # one product of 163,840 columns x 1536 inputs: 240 MB
+LONG_PANELS = 10240  # one product of 10,240 panels x 16 columns x 1536 inputs: 240 MB
 
 
 def int8_panels(flat: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -61,8 +61,8 @@ def build(layers: int):
 
 def measure(rounds: int, layers: int, kernels) -> list[dict]:
     flat, products, inputs, scales = build(layers)
-    long_product = int8_panels(torch.randint(-127, 128, (LONG_COLUMNS * 1536,), dtype=torch.int8), LONG_COLUMNS, 1536)
-    long_scale, long_input = torch.rand(LONG_COLUMNS), torch.randn(1, 1536)
+    long_product = int8_panels(torch.randint(-127, 128, (LONG_PANELS * 16 * 1536,), dtype=torch.int8), LONG_PANELS * 16, 1536)
+    long_scale, long_input = torch.rand(LONG_PANELS * 16), torch.randn(1, 1536)
     size = {name: products[name][0].numel() * layers for name in SHAPES}
 
     def layer_order() -> dict[str, float]:
