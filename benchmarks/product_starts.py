@@ -41,7 +41,7 @@ LONG_PANELS = 10240  # one product of 10,240 panels x 16 columns x 1536 inputs: 
 
 
 def int8_panels(flat: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    return flat.view(n // 32, k // 2, 32, 2)
+    return flat.view(n // 16, k // 4, 16, 4)
 
 
 def build(layers: int):

@@ -20,7 +20,7 @@ from torch import nn
 from verispec.cache import KVCache
 from verispec.errors import ContextOverflowError
 from verispec.kernels import cpu_kernels
-from verispec.quant import KERNEL_MAX_ROWS, PackedLinear
+from verispec.quant import KERNEL_MAX_ROWS, PANEL, PackedLinear
 
 
 def _decoder_layer(layer: nn.Module, kernels):
@@ -114,11 +114,10 @@ class FastPath:
 
     def _head(self, kernels, outputs: int | None):
         """The output layer's product, for all its rows or the first `outputs` (rounded up to
-        a whole panel; the caller slices)."""
+        the panel layout's sixteens; the caller slices)."""
         rows = self.model.lm_head.out_features
         if outputs is not None:
-            width = self.model.lm_head.PANEL_WIDTH
-            outputs = -(-outputs // width) * width
+            outputs = -(-outputs // PANEL) * PANEL
             if outputs >= rows:
                 outputs = None
         if outputs not in self.heads:

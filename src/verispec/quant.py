@@ -47,8 +47,7 @@ PACKED_FORMATS = ("int8", "int4", "int4-mixed")  # the formats that are not a fl
 MORE_THAN_4_BITS = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K", "F16", "BF16", "F32"}
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GROUP = 32  # int4 group size along the input features
-PANEL = 16  # output columns per panel of the float and int4 panel layouts
-INT8_PANEL = 32  # output columns per int8 panel: a line holds one input pair of 32 columns
+PANEL = 16  # output columns per panel of the panel layouts
 INT4_PANEL_GROUP_BYTES = 64 + 256  # per panel and group of 32 in int4's panels: scales and offsets, nibbles
 KERNEL_MAX_ROWS = 64  # more rows (a long prompt) go to a dense GEMM instead
 
@@ -91,7 +90,6 @@ class PackedLinear(nn.Module, metaclass=ABCMeta):
     # used where the kernels have PANEL_KERNEL: CANONICAL names the tensors it replaces.
     PANEL_KERNEL = ""
     PANEL_STORED: tuple[str, ...] = ()
-    PANEL_WIDTH = PANEL  # output columns per panel
     CANONICAL: tuple[str, ...] = ()
 
     @abstractmethod
@@ -109,7 +107,7 @@ class PackedLinear(nn.Module, metaclass=ABCMeta):
     def panels_apply(self, kernels) -> bool:
         """Whether the layer would switch to the panel layout now."""
         return bool(self.PANEL_KERNEL and getattr(self, "panels", None) is None and kernels is not None
-                    and hasattr(kernels, self.PANEL_KERNEL) and self.out_features % self.PANEL_WIDTH == 0
+                    and hasattr(kernels, self.PANEL_KERNEL) and self.out_features % PANEL == 0
                     and self.in_features % GROUP == 0 and getattr(self, self.CANONICAL[0]).device.type == "cpu")
 
     def _use_panels(self, kernels, into: torch.Tensor | None = None) -> None:
@@ -141,15 +139,14 @@ class PackedLinear(nn.Module, metaclass=ABCMeta):
     def bound_kernel(self, kernels, outputs: int | None = None):
         """`kernel` bound to this layer's tensors once (a `kernels.Product`): f(x, residual=None).
         With `outputs`, the product of the first `outputs` output features only (a multiple
-        of PANEL_WIDTH in the panel layout), on views of the same tensors."""
+        of 16 in the panel layout), on views of the same tensors."""
         self._use_panels(kernels)
         tensors, bias = [getattr(self, n) for n in self.STORED], self.bias
         if outputs is not None and outputs < self.out_features:
             panels = getattr(self, "panels", None)
-            width = self.PANEL_WIDTH
-            if panels is not None and outputs % width:
-                raise ValueError(f"the panel layout gives outputs in multiples of {width}, not {outputs}")
-            tensors = [t[:outputs // width] if t is panels else t[:outputs] for t in tensors]
+            if panels is not None and outputs % PANEL:
+                raise ValueError(f"the panel layout gives outputs in sixteens, not {outputs}")
+            tensors = [t[:outputs // PANEL] if t is panels else t[:outputs] for t in tensors]
             bias = None if bias is None else bias[:outputs]
         return kernels.Product(self.KERNEL, tensors, bias)
 
@@ -269,7 +266,6 @@ class Int8Linear(PackedLinear):
     KERNEL = "linear_int8"
     CANONICAL = ("weight",)
     PANEL_STORED, PANEL_KERNEL = ("panels", "scale"), "linear_int8_panels"
-    PANEL_WIDTH = INT8_PANEL
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__(weight.shape[1], weight.shape[0], bias)
@@ -359,35 +355,33 @@ class Int4Linear(PackedLinear):
 
 # ------------------------------------------------------------------ panel layouts
 
-def _panel_geometry(dtype: torch.dtype) -> tuple[int, int]:
-    """(output columns per panel, consecutive inputs per column in a line) for `dtype`."""
-    if dtype == torch.int8:
-        return INT8_PANEL, 2
-    return PANEL, 4 // dtype.itemsize
-
-
 def panel_shape(out_features: int, in_features: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """The shape `to_panels` gives a weight [out_features, in_features] of `dtype`."""
-    width, per_line = _panel_geometry(dtype)
-    return out_features // width, in_features // per_line, width, per_line
+    per_dword = 4 // dtype.itemsize
+    return out_features // PANEL, in_features // per_dword, PANEL, per_dword
 
 
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] -> [out/W, in/L, W, L]: each 64-byte line holds L consecutive inputs of W
-    output columns (the layout of `linear_float_panels` and `linear_int8_panels`). Float
-    formats: W = 16 and L = 4 bytes / element size. int8: W = 32 and L = 2, so that widening
-    each half of a line to 16 bits gives the pairs `vpdpwssd` multiplies for 16 columns,
-    and both halves take the same pair of activations."""
+    """[out, in] -> [out/16, in/L, 16, L], L = 4 bytes / element size: each 64-byte line holds
+    L consecutive inputs of 16 output columns (the layout of `linear_float_panels` and
+    `linear_int8_panels`). For int8 each line holds inputs 4t, 4t+1 of the 16 columns in
+    its first half and 4t+2, 4t+3 in its second (pairs side by side), so that widening a
+    half to 16 bits gives the pairs `vpdpwssd` multiplies; the shape is the same."""
     out_features, in_features = weight.shape
-    width, per_line = _panel_geometry(weight.dtype)
-    return (weight.reshape(out_features // width, width, in_features // per_line, per_line)
+    if weight.dtype == torch.int8:
+        return (weight.reshape(out_features // PANEL, PANEL, in_features // 4, 2, 2)
+                .permute(0, 2, 3, 1, 4).contiguous().view(out_features // PANEL, in_features // 4, PANEL, 4))
+    per_dword = 4 // weight.element_size()
+    return (weight.reshape(out_features // PANEL, PANEL, in_features // per_dword, per_dword)
             .permute(0, 2, 1, 3).contiguous())
 
 
 def from_panels(panels: torch.Tensor) -> torch.Tensor:
     """The [out, in] weight of `to_panels`' layout."""
-    count, lines, width, per_line = panels.shape
-    return panels.permute(0, 2, 1, 3).reshape(count * width, lines * per_line)
+    count, dwords, _, per_dword = panels.shape
+    if panels.dtype == torch.int8:
+        return panels.view(count, dwords, 2, PANEL, 2).permute(0, 3, 1, 2, 4).reshape(count * PANEL, dwords * 4)
+    return panels.permute(0, 2, 1, 3).reshape(count * PANEL, dwords * per_dword)
 
 
 # ------------------------------------------------------------------ int4 packing

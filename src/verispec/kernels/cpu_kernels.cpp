@@ -306,15 +306,15 @@ struct IntegerTile {
   int64_t ahead;
 };
 
-// The tile loop of the integer panel products (int4, int8; panels of `width` columns):
-// tile(R, S, IntegerTile) with R rows and S panels as std::integral_constant, a one-row
-// product's pairs as <1, 2>, otherwise <rows, 1>.
+// The tile loop of the integer panel products (int4, int8): tile(R, S, IntegerTile) with R
+// rows and S panels as std::integral_constant, a one-row product's pairs as <1, 2>,
+// otherwise <rows, 1>.
 template <int MaxRows, class Tile>
-void for_each_integer_tile(const uint8_t* panels, int64_t n, int64_t width, int64_t k, int64_t m, int64_t stride,
-                           float* y, const float* residual, const Tile& tile) {
-  for_each_panel_tile(panels, n / width, stride, k, m, MaxRows, true,
+void for_each_integer_tile(const uint8_t* panels, int64_t n, int64_t k, int64_t m, int64_t stride, float* y,
+                           const float* residual, const Tile& tile) {
+  for_each_panel_tile(panels, n / kPanel, stride, k, m, MaxRows, true,
                       [&](int rows, int64_t p, int64_t q, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
-    const IntegerTile t{{panels + p * stride, panels + q * stride}, {p * width, q * width}, row0, y + row0 * n,
+    const IntegerTile t{{panels + p * stride, panels + q * stride}, {p * kPanel, q * kPanel}, row0, y + row0 * n,
                         residual ? residual + row0 * n : nullptr, fetch_end, ahead};
     if (q >= 0)  // a one-row product's two streams (fetched by the hardware prefetcher alone)
       tile(std::integral_constant<int, 1>{}, std::integral_constant<int, 2>{}, t);
@@ -831,7 +831,7 @@ void matmul_panels(const uint8_t* panels, int64_t n, int64_t k, const float* x, 
                    const float* bias, const float* residual) {
   const RoundedRows xr = round_rows(x, m, k);
   const int64_t groups = k / kGroup, stride = groups * kPanelGroupBytes;
-  for_each_integer_tile<kPanelRows>(panels, n, kPanel, k, m, stride, y, residual,
+  for_each_integer_tile<kPanelRows>(panels, n, k, m, stride, y, residual,
                                     [&](auto rows, auto streams, const IntegerTile& tile) {
     panel_tile<decltype(rows)::value, decltype(streams)::value>(tile, groups, xr, k, n, bias);
   });
@@ -1070,16 +1070,14 @@ at::Tensor linear_float_panels(const at::Tensor& x, const at::Tensor& panels, co
 // Instead each row is rounded, per group of 32 inputs, to int16: dx = max|x| / 32767,
 // xq = round(x / dx). That is a relative error of at most 1.5e-5 of the group's largest
 // value, a hundred times finer than bfloat16's rounding, so the format stays weight-only
-// in effect. The int8 panels are 32 columns wide: each 64-byte line holds inputs 2t, 2t+1
-// of the 32 columns (`quant.to_panels`), so one `vpmovsxbw` per half loads and widens the
-// pairs of 16 columns, and both halves take the same broadcast activation pair: one
-// broadcast per line and row. (Panels of 16 columns held inputs 4t..4t+3 per line and
-// needed two; in the host's fast spells those broadcasts cost a few points of the read
-// bandwidth, `benchmarks/NOTES.md`.) A group's int32 sums are exact (32 products of at most
+// in effect. Each 64-byte line holds inputs 4t, 4t+1 of 16 columns in its first half and
+// 4t+2, 4t+3 in its second (`quant.to_panels`): one `vpmovsxbw` per half loads and widens
+// its weights to 16-bit pairs, and two `vpdpwssd` per row add them times the matching
+// activation pairs. (The line used to hold each column's four inputs together, which took
+// three shifts to pair up: more instructions per byte, so fewer lines in flight.) A group's int32 sums are exact (32 products of at most
 // 2^15 * 2^7), and each row's float accumulator sees one multiply-add per group in every
 // tile, so rows stay bit-identical whatever m is.
-constexpr int kInt8Panel = 32;     // output columns per int8 panel
-constexpr int kInt8PanelRows = 6;  // rows per tile: two sums and two accumulators per row (the zmm budget is 32)
+constexpr int kInt8PanelRows = 10;
 
 struct Int16Rows {  // per row: k/2 dwords (pairs of int16: inputs (2i, 2i+1)), dx per group
   std::vector<int32_t> pairs;
@@ -1103,7 +1101,7 @@ Int16Rows round_rows_int16(const float* x, int64_t m, int64_t k) {
   return r;
 }
 
-// rows [0, R) x the 32 columns of S panels (read side by side), over all k
+// rows [0, R) x the 16 columns of S panels (read side by side), over all k
 template <int R, int S>
 __attribute__((noinline)) void int8_panel_tile(const IntegerTile& tile, int64_t k, const Int16Rows& xr, int64_t ldy,
                                                const float* scale, const float* bias) {
@@ -1111,62 +1109,61 @@ __attribute__((noinline)) void int8_panel_tile(const IntegerTile& tile, int64_t 
   const int64_t *col0 = tile.col0, row0 = tile.row0, ahead = tile.ahead;
   float* y = tile.y;
   const float* residual = tile.residual;
-  // one row alone gets two int32 sums per column half, so that it is not held up by the
-  // latency of `vpdpwssd` (int32 sums are exact, so their number does not change the result)
-  constexpr int kChains = R == 1 ? 2 : 1;
-  constexpr int N = S * R * 2;  // half h (columns 16h..16h+15) of row r of panel j at (j * R + r) * 2 + h
-  constexpr int64_t kGroupBytes = kGroup * kInt8Panel;
+  // independent int32 sums per row, so that one row is not held up by the latency of
+  // `vpdpwssd` (int32 sums are exact, so their number does not change the result)
+  constexpr int kChains = std::max(1, (R == 1 ? 8 : (R == 2 ? 4 : (R <= 5 ? 2 : 1))) / S);
+  constexpr int N = S * R;  // sums for row r of panel j at j * R + r
   const int64_t groups = k / kGroup;
   __m512 acc[N];
   for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* lines[S];
-    for (int j = 0; j < S; ++j) lines[j] = panel[j] + g * kGroupBytes;
-    const bool fetch = fetch_end && lines[0] + ahead + kGroupBytes <= fetch_end;
-    __m512i sums[kChains][N];
+    for (int j = 0; j < S; ++j) lines[j] = panel[j] + g * kGroup * kPanel;
+    const bool fetch = fetch_end && lines[0] + ahead + 512 <= fetch_end;
+    __m512i s0[N], s1[N], s2[N], s3[N], s4[N], s5[N], s6[N], s7[N];
+    __m512i* sums[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
     for (int c = 0; c < kChains; ++c)
       for (int i = 0; i < N; ++i) sums[c][i] = _mm512_setzero_si512();
-#pragma GCC unroll 16
-    for (int t = 0; t < kGroup / 2; ++t) {
+#pragma GCC unroll 8
+    for (int t = 0; t < kGroup / 4; ++t) {
       if (fetch) _mm_prefetch(reinterpret_cast<const char*>(lines[0] + ahead + 64 * t), _MM_HINT_T0);
       for (int j = 0; j < S; ++j) {
-        const __m512i low = _mm512_cvtepi8_epi16(  // columns 0-15
+        const __m512i first = _mm512_cvtepi8_epi16(  // inputs 4t, 4t+1
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lines[j] + 64 * t)));
-        const __m512i high = _mm512_cvtepi8_epi16(  // columns 16-31
+        const __m512i second = _mm512_cvtepi8_epi16(  // inputs 4t+2, 4t+3
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lines[j] + 64 * t + 32)));
         for (int r = 0; r < R; ++r) {
-          const __m512i pair = _mm512_set1_epi32(xr.pairs[(row0 + r) * (k / 2) + g * (kGroup / 2) + t]);
-          __m512i* sum = sums[t % kChains] + (j * R + r) * 2;
-          sum[0] = _mm512_dpwssd_epi32(sum[0], low, pair);
-          sum[1] = _mm512_dpwssd_epi32(sum[1], high, pair);
+          const int32_t* xp = xr.pairs.data() + (row0 + r) * (k / 2) + g * (kGroup / 2) + 2 * t;
+          __m512i& a = sums[(2 * t) % kChains][j * R + r];
+          a = _mm512_dpwssd_epi32(a, first, _mm512_set1_epi32(xp[0]));
+          __m512i& b = sums[(2 * t + 1) % kChains][j * R + r];
+          b = _mm512_dpwssd_epi32(b, second, _mm512_set1_epi32(xp[1]));
         }
       }
     }
     for (int i = 0; i < N; ++i) {
-      __m512i total = sums[0][i];
+      __m512i total = s0[i];
       for (int c = 1; c < kChains; ++c) total = _mm512_add_epi32(total, sums[c][i]);
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(xr.dx[(row0 + (i / 2) % R) * groups + g]), acc[i]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(xr.dx[(row0 + i % R) * groups + g]), acc[i]);
     }
   }
-  for (int j = 0; j < S; ++j)
-    for (int h = 0; h < 2; ++h) {
-      const int64_t col = col0[j] + 16 * h;
-      const __m512 s = _mm512_loadu_ps(scale + col);
-      for (int r = 0; r < R; ++r) {
-        __m512 v = _mm512_mul_ps(acc[(j * R + r) * 2 + h], s);
-        if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + col));
-        if (residual) v = _mm512_add_ps(v, _mm512_loadu_ps(residual + r * ldy + col));
-        _mm512_storeu_ps(y + r * ldy + col, v);
-      }
+  for (int j = 0; j < S; ++j) {
+    const __m512 s = _mm512_loadu_ps(scale + col0[j]);
+    for (int r = 0; r < R; ++r) {
+      __m512 v = _mm512_mul_ps(acc[j * R + r], s);
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + col0[j]));
+      if (residual) v = _mm512_add_ps(v, _mm512_loadu_ps(residual + r * ldy + col0[j]));
+      _mm512_storeu_ps(y + r * ldy + col0[j], v);
     }
+  }
 }
 
 at::Tensor linear_int8_panels(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scale,
                               const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
   TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == at::kChar && panels.dim() == 4 &&
-              panels.size(2) == kInt8Panel && panels.size(3) == 2 && panels.is_contiguous(),
-              "int8 panels must be contiguous int8 [n/32, k/2, 32, 2]");
-  const int64_t n = panels.size(0) * kInt8Panel, k = panels.size(1) * 2, m = x.size(0);
+              panels.size(2) == kPanel && panels.size(3) == 4 && panels.is_contiguous(),
+              "int8 panels must be contiguous int8 [n/16, k/4, 16, 4]");
+  const int64_t n = panels.size(0) * kPanel, k = panels.size(1) * 4, m = x.size(0);
   check_input(x, k, kGroup);
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n,
               "one float32 scale per output column");
@@ -1176,8 +1173,8 @@ at::Tensor linear_int8_panels(const at::Tensor& x, const at::Tensor& panels, con
   const uint8_t* w = reinterpret_cast<const uint8_t*>(panels.data_ptr<int8_t>());
   const float *sp = scale.data_ptr<float>(), *bp = optional_ptr(bias, n), *rp = optional_ptr(residual, m * n);
   float* yp = y.data_ptr<float>();
-  const int64_t stride = kInt8Panel * k;
-  for_each_integer_tile<kInt8PanelRows>(w, n, kInt8Panel, k, m, stride, yp, rp, [&](auto rows, auto streams, const IntegerTile& tile) {
+  const int64_t stride = kPanel * k;
+  for_each_integer_tile<kInt8PanelRows>(w, n, k, m, stride, yp, rp, [&](auto rows, auto streams, const IntegerTile& tile) {
     int8_panel_tile<decltype(rows)::value, decltype(streams)::value>(tile, k, xr, n, sp, bp);
   });
   return y;
@@ -1185,13 +1182,12 @@ at::Tensor linear_int8_panels(const at::Tensor& x, const at::Tensor& panels, con
 
 // Reads int8 panels as a one-row linear_int8_panels does (the same regions, streams and
 // pieces) with no arithmetic: how fast the layout alone reads, for benchmarks/product_starts.py.
-// The first 16 outputs of each panel hold an OR of its lines, so no read can be left out;
-// the other 16 are zero.
+// Each output holds an OR of its panel's bytes, so no read can be left out.
 template <int S>
 __attribute__((noinline)) void read_panel_lines(const IntegerTile& tile, int64_t k) {
   __m512i seen[S];
   for (int j = 0; j < S; ++j) seen[j] = _mm512_setzero_si512();
-  for (int64_t line = 0; line < k * kInt8Panel / 64; ++line)
+  for (int64_t line = 0; line < k * kPanel / 64; ++line)
     for (int j = 0; j < S; ++j)
       seen[j] = _mm512_or_si512(seen[j], _mm512_loadu_si512(tile.panel[j] + 64 * line));
   for (int j = 0; j < S; ++j) _mm512_storeu_si512(tile.y + tile.col0[j], seen[j]);
@@ -1199,12 +1195,12 @@ __attribute__((noinline)) void read_panel_lines(const IntegerTile& tile, int64_t
 
 at::Tensor read_int8_panels(const at::Tensor& panels) {
   TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == at::kChar && panels.dim() == 4 &&
-              panels.size(2) == kInt8Panel && panels.size(3) == 2 && panels.is_contiguous(),
-              "int8 panels must be contiguous int8 [n/32, k/2, 32, 2]");
-  const int64_t n = panels.size(0) * kInt8Panel, k = panels.size(1) * 2;
-  at::Tensor y = at::zeros({1, n}, panels.options().dtype(at::kFloat));
+              panels.size(2) == kPanel && panels.size(3) == 4 && panels.is_contiguous(),
+              "int8 panels must be contiguous int8 [n/16, k/4, 16, 4]");
+  const int64_t n = panels.size(0) * kPanel, k = panels.size(1) * 4;
+  at::Tensor y = at::empty({1, n}, panels.options().dtype(at::kFloat));
   const uint8_t* w = reinterpret_cast<const uint8_t*>(panels.data_ptr<int8_t>());
-  for_each_integer_tile<kInt8PanelRows>(w, n, kInt8Panel, k, 1, kInt8Panel * k, y.data_ptr<float>(), nullptr,
+  for_each_integer_tile<kInt8PanelRows>(w, n, k, 1, kPanel * k, y.data_ptr<float>(), nullptr,
                                         [&](auto, auto streams, const IntegerTile& tile) {
     read_panel_lines<decltype(streams)::value>(tile, k);
   });
