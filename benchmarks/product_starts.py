@@ -74,24 +74,21 @@ def measure(rounds: int, layers: int, kernels) -> list[dict]:
                 spent[name] += time.perf_counter() - started
         return spent
 
-    def back_to_back(name: str) -> float:
+    def multiply(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor) -> None:
+        kernels.linear_int8_panels(x, panels, scale, None, None)
+
+    def read_only(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor) -> None:
+        kernels.read_int8_panels(panels)
+
+    def back_to_back(name: str, way=multiply) -> float:
         started = time.perf_counter()
         for layer in range(layers):
-            kernels.linear_int8_panels(inputs[name], products[name][layer], scales[name], None, None)
+            way(inputs[name], products[name][layer], scales[name])
         return time.perf_counter() - started
 
-    def loads_only(name: str) -> float:
+    def one_product(way=multiply) -> float:
         started = time.perf_counter()
-        for layer in range(layers):
-            kernels.read_int8_panels(products[name][layer])
-        return time.perf_counter() - started
-
-    def one_product(read_only: bool = False) -> float:
-        started = time.perf_counter()
-        if read_only:
-            kernels.read_int8_panels(long_product)
-        else:
-            kernels.linear_int8_panels(long_input, long_product, long_scale, None, None)
+        way(long_input, long_product, long_scale)
         return time.perf_counter() - started
 
     layer_order(), one_product()  # first use: caches and page tables
@@ -104,9 +101,9 @@ def measure(rounds: int, layers: int, kernels) -> list[dict]:
                 times.setdefault(f"{name}, layer order", []).append(spent)
             for name in SHAPES:
                 times.setdefault(f"{name}, back to back", []).append(back_to_back(name))
-                times.setdefault(f"{name}, loads only", []).append(loads_only(name))
+                times.setdefault(f"{name}, loads only", []).append(back_to_back(name, read_only))
             times.setdefault("one product", []).append(one_product())
-            times.setdefault("one product, loads only", []).append(one_product(read_only=True))
+            times.setdefault("one product, loads only", []).append(one_product(read_only))
         after = read_bandwidth(0.5, repeats=2, keep=True)
         best = max(before, after)
         nbytes = {way: long_product.numel() if way.startswith("one product") else size[way.split(",")[0]]
