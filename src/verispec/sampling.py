@@ -39,8 +39,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
-        gen = torch.Generator(device=device)
+    def generator(self) -> torch.Generator:
+        """The random stream of one request. It lives on the CPU whatever device the model is
+        on (every draw moves its probability rows there first), so a seed gives the same
+        tokens on any device for the same probabilities."""
+        gen = torch.Generator()
         if self.seed is not None:
             gen.manual_seed(self.seed)
         else:
@@ -85,7 +88,8 @@ def greedy_token(logits: torch.Tensor) -> int:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One token drawn from one row of probabilities, with the request's CPU generator."""
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

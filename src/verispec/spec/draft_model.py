@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.sampling import SamplingParams, greedy_token, probabilities
+from verispec.sampling import SamplingParams, greedy_token, probabilities, sample
 from verispec.spec.proposer import Proposal
 
 
@@ -87,7 +87,7 @@ class DraftModelProposer:
                 token = greedy_token(logits)
             else:
                 probs = probabilities(logits, params)
-                token = int(torch.multinomial(probs, 1, generator=generator))
+                token = sample(probs, generator)
                 rows.append(probs)
             tokens.append(token)
             if i + 1 < gamma:

@@ -42,7 +42,10 @@ def verify_sampling(target_logits: torch.Tensor, drafts: list[int], draft_probs:
     draw from the residual max(0, p - q) renormalised. A draft without
     probabilities is one-hot: q(d) = 1. The emitted tokens then follow p exactly.
     """
-    p = probabilities(target_logits, params)  # [γ+1, V]
+    # draws use the request's CPU generator, so the rows they read move to the CPU once
+    p = probabilities(target_logits, params).cpu()  # [γ+1, V]
+    if draft_probs is not None:
+        draft_probs = draft_probs.cpu()
     vocab = p.shape[-1]
     for i, draft in enumerate(drafts):
         p_row = p[i]
