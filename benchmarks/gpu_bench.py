@@ -3,28 +3,46 @@
     python benchmarks/gpu_bench.py                      # CUDA: an 8B dense and a 30B-A3B MoE shape, bf16
     python benchmarks/gpu_bench.py --tiny --device cpu  # the same script at toy sizes (the tests run this)
 
-For each model: the device's read bandwidth, a decoding step's bandwidth utilisation (bytes
-of weights the step reads / step time / bandwidth; for the MoE only the experts the step
-routed to count), the verification cost r(m) = t(m)/t(1) for m = 1..32, and the speed-up of
-speculative decoding under synthetic acceptance α in {0, 0.5, 0.8} x γ in {4, 8, 16}: a
-proposer that drafts the target's own next token with probability α and costs nothing,
-so the figure is what the target's verification passes allow. Every speculative output is
-audited against plain decoding. Timings synchronise the device before reading the clock.
+First an engine check: tiny checkpoint folders loaded on the device in every weight format,
+decoded plainly and speculatively (a draft model, prompt lookup), greedy and sampled, and
+through the command line; greedy speculative tokens must equal plain ones.
+
+Then for each model: the device's read bandwidth, a decoding step's bandwidth utilisation
+(bytes of weights the step reads / step time / bandwidth; for the MoE only the experts the
+step routed to count), the verification cost r(m) = t(m)/t(1) for m = 1..32, and the speed-up
+of speculative decoding under synthetic acceptance α in {0, 0.5, 0.8} x γ in {4, 8, 16}: a
+proposer that drafts the target's own next token with probability α and costs nothing, so
+the figure is what the target's verification passes allow, printed beside the cost model's
+prediction from the measured r(γ+1). Every speculative output is audited against plain
+decoding. Timings synchronise the device before reading the clock.
+
+The engine runs eagerly: one kernel launch per operation, issued from Python. On a GPU a
+batch-1 step of such a loop can be bound by those launches rather than by memory, so for the
+dense model the script also captures each pass in a CUDA graph and replays it: the kernels'
+own time, what a step would cost with the launches taken off the critical path. (The MoE's
+expert loop reads its routing on the host, which a graph cannot capture.)
+
+Results go to a JSON file after every section, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 
 SHAPES = {
     # Qwen3-8B's shape
@@ -135,8 +153,54 @@ def verify_costs(model, device, context: int, sizes, rounds: int) -> tuple[dict[
     return medians, step_bytes
 
 
-def speculative_grid(loaded, device, prompt_len: int, tokens: int) -> dict:
+@torch.inference_mode()
+def graph_costs(model, device, context: int, sizes, replays: int = 20) -> dict[int, float]:
+    """Seconds per pass over m positions with the pass captured in a CUDA graph and replayed:
+    the kernels' own time, without Python issuing each launch. Every replay writes the same
+    cache slots after the same `context`, as a verification pass does before its rollback."""
+    if device.type != "cuda":
+        raise RuntimeError("CUDA graphs need a CUDA device")
+    if hasattr(model, "moe_blocks"):
+        raise RuntimeError("the expert loop reads its routing on the host, which a graph cannot capture")
+    cache = model.new_cache(context + max(sizes) + 1)
+    vocab = model.config.vocab_size
+    model(torch.arange(context, device=device).view(1, -1) % vocab, cache)
+    feed = (torch.arange(max(sizes), device=device).view(1, -1) * 7 + 3) % vocab
+    seconds: dict[int, float] = {}
+    for m in sizes:
+        inputs = feed[:, :m].clone()
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up off the capture stream, as capture requires
+            for _ in range(2):
+                cache.rollback(context)
+                model(inputs, cache)
+        torch.cuda.current_stream(device).wait_stream(side)
+        cache.rollback(context)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            model(inputs, cache)
+        cache.rollback(context)
+        graph.replay()
+        best = float("inf")
+        for _ in range(3):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(replays):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            best = min(best, begin.elapsed_time(end) / 1e3 / replays)
+        seconds[m] = best
+        del graph
+    return seconds
+
+
+def speculative_grid(loaded, device, prompt_len: int, tokens: int, r: dict[int, float]) -> dict:
+    """Measured speed-ups under synthetic acceptance, each beside the cost model's prediction
+    from the measured r(γ+1) with a free draft (c = 0)."""
     from verispec.generate import generate
+    from verispec.lab.costmodel import predict_speedup
     from verispec.spec.synthetic import SyntheticProposer
 
     vocab = loaded.config.vocab_size
@@ -151,8 +215,103 @@ def speculative_grid(loaded, device, prompt_len: int, tokens: int) -> dict:
             spec = generate(loaded, prompt, draft=proposer, gamma=gamma, max_tokens=tokens)
             grid[f"a={alpha},g={gamma}"] = {
                 "alpha": alpha, "gamma": gamma, "speedup": plain_s / spec.timings.decode_s,
+                "predicted": predict_speedup(alpha, gamma, 0.0, r) if gamma + 1 in r else None,
                 "acceptance": spec.spec.acceptance_rate, "valid": spec.token_ids == reference}
     return {"plain_tok_s": (len(reference) - 1) / plain_s, "grid": grid}
+
+
+ENGINE_FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
+PROMPT = "the cat sat on the mat. the cat sat on the"
+
+
+def _error(exc: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
+
+
+def engine_check(device: torch.device, tokens: int = 24) -> dict:
+    """The engine on `device` through its public paths, with tiny checkpoint folders (the
+    tests' own builder): every weight format loads and decodes, and speculative greedy tokens
+    equal plain ones; sampled decoding repeats itself under a seed; the command line runs.
+    `ok` is whether every check passed; `cpu_agreement` (information only) is how many
+    leading float32 greedy tokens the device and the CPU share."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import tiny
+    from verispec.generate import generate
+    from verispec.loading import load_model
+
+    folder = Path(tempfile.mkdtemp(prefix="verispec-gpu-check-"))
+    tiny.save_hf_model(folder / "target", "qwen3", seed=0)
+    tiny.save_hf_model(folder / "draft", "qwen3", seed=0, num_hidden_layers=1)
+    target_path, draft_path = folder / "target", folder / "draft"
+    run = dict(max_tokens=tokens, ignore_eos=True)
+    report: dict = {"formats": {}, "failures": []}
+
+    def check(name: str, passed: bool) -> None:
+        if not passed:
+            report["failures"].append(name)
+
+    for fmt in ENGINE_FORMATS:
+        try:
+            target = load_model(target_path, device=str(device), weights=fmt)
+            draft = load_model(draft_path, device=str(device), weights=fmt)
+            plain = generate(target, PROMPT, **run).token_ids
+            by_draft = generate(target, PROMPT, draft=draft, gamma=4, **run)
+            by_lookup = generate(target, PROMPT, draft="ngram", gamma=4, **run)
+            report["formats"][fmt] = {
+                "tokens": len(plain), "draft_equal": by_draft.token_ids == plain,
+                "lookup_equal": by_lookup.token_ids == plain,
+                "draft_acceptance": by_draft.spec.acceptance_rate,
+                "lookup_acceptance": by_lookup.spec.acceptance_rate}
+            check(f"{fmt}: tokens", len(plain) == tokens)
+            check(f"{fmt}: draft model", by_draft.token_ids == plain)
+            check(f"{fmt}: prompt lookup", by_lookup.token_ids == plain)
+        except Exception as exc:  # record and go on: one run on a lent device must tell everything
+            report["formats"][fmt] = {"error": _error(exc)}
+            check(f"{fmt}: {_error(exc)}", False)
+
+    try:
+        target = load_model(target_path, device=str(device))
+        draft = load_model(draft_path, device=str(device))
+        sampled = dict(temperature=1.0, top_p=0.9, seed=7, **run)
+        plain = [generate(target, PROMPT, **sampled).token_ids for _ in range(2)]
+        by_draft = [generate(target, PROMPT, draft=draft, gamma=4, **sampled).token_ids for _ in range(2)]
+        by_lookup = generate(target, PROMPT, draft="ngram", gamma=4, **sampled).token_ids
+        vocab = target.config.vocab_size
+        report["sampled"] = {"plain_repeats": plain[0] == plain[1], "draft_repeats": by_draft[0] == by_draft[1],
+                             "lengths": [len(plain[0]), len(by_draft[0]), len(by_lookup)]}
+        check("sampled: plain repeats under a seed", plain[0] == plain[1])
+        check("sampled: draft model repeats under a seed", by_draft[0] == by_draft[1])
+        check("sampled: every token in the vocabulary and every run full length",
+              all(0 <= t < vocab for t in [*plain[0], *by_draft[0], *by_lookup])
+              and [len(plain[0]), len(by_draft[0]), len(by_lookup)] == [tokens] * 3)
+        if device.type != "cpu":
+            on_cpu = generate(load_model(target_path, device="cpu"), PROMPT, **run).token_ids
+            on_device = generate(target, PROMPT, **run).token_ids
+            shared = next((i for i, (a, b) in enumerate(zip(on_cpu, on_device)) if a != b), len(on_cpu))
+            report["cpu_agreement"] = f"{shared}/{len(on_cpu)}"
+    except Exception as exc:
+        report["sampled"] = {"error": _error(exc)}
+        check(f"sampled: {_error(exc)}", False)
+
+    command = [sys.executable, "-c", "import sys; from verispec.cli import main; sys.exit(main())",
+               "generate", "--model", str(target_path), "--draft", str(draft_path), "--device", device.type,
+               "--max-tokens", "8", "--ignore-eos", "--json", PROMPT]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    report["cli"] = {"returncode": done.returncode, "output_tail": (done.stdout + done.stderr)[-600:]}
+    check("command line", done.returncode == 0)
+    report["ok"] = not report["failures"]
+    return report
+
+
+def _cell(cell: dict) -> str:
+    predicted = f" ({cell['predicted']:.2f}x)" if cell["predicted"] is not None else ""
+    return f"{cell['speedup']:.2f}x{predicted}"
+
+
+def save(results: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
 
 
 def main() -> int:
@@ -168,37 +327,63 @@ def main() -> int:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     tokens = args.tokens or (12 if args.tiny else 128)
     sizes = list(range(1, args.max_m + 1))
+    out = Path(args.out) if args.out else HERE / "results" / "gpu" / f"gpu_bench{'_tiny' if args.tiny else ''}.json"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    results = {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda, "dtype": args.dtype,
+               "tiny": args.tiny, "models": {}}
+
+    started = time.perf_counter()
+    results["engine_check"] = check = engine_check(device)
+    print(f"engine check on {name} ({time.perf_counter() - started:.0f} s): "
+          + ("every check passed" if check["ok"] else "FAILED: " + "; ".join(check["failures"])), flush=True)
+    if "cpu_agreement" in check:
+        print(f"  float32 greedy tokens shared with the CPU: {check['cpu_agreement']}")
+    save(results, out)
+
     bandwidth = read_bandwidth(device, (64 << 20) if args.tiny else (4 << 30))
-    print(f"device {name}: read bandwidth {bandwidth / 1e9:.0f} GB/s; {args.dtype}{', toy sizes' if args.tiny else ''}")
-    results = {"device": name, "dtype": args.dtype, "tiny": args.tiny, "read_bandwidth": bandwidth, "models": {}}
+    results["read_bandwidth"] = bandwidth
+    print(f"device {name}: read bandwidth {bandwidth / 1e9:.0f} GB/s; {args.dtype}"
+          f"{', toy sizes' if args.tiny else ''}; torch {torch.__version__}", flush=True)
     for model_name in args.models:
+        started = time.perf_counter()
         loaded = build(model_name, device, dtype, args.tiny)
-        costs, step_bytes = verify_costs(loaded.model, device, 128 if not args.tiny else 16, sizes,
-                                         rounds=2 if args.tiny else 5)
+        context = 16 if args.tiny else 128
+        costs, step_bytes = verify_costs(loaded.model, device, context, sizes, rounds=2 if args.tiny else 5)
         t1 = costs[1]
-        utilisation = step_bytes / t1 / bandwidth
-        grid = speculative_grid(loaded, device, 16 if args.tiny else 64, tokens)
-        results["models"][model_name] = {"step_s": t1, "step_bytes": step_bytes, "utilisation": utilisation,
-                                         "r": {m: costs[m] / t1 for m in sizes}, **grid}
-        print(f"\n{model_name}: step {t1 * 1e3:.2f} ms reading {step_bytes / 1e9:.2f} GB "
-              f"-> {step_bytes / t1 / 1e9:.0f} GB/s = {utilisation:.0%} of read bandwidth; "
-              f"plain {grid['plain_tok_s']:.1f} tok/s")
-        print("  r(m): " + " ".join(f"{m}:{costs[m] / t1:.2f}" for m in sizes))
-        print("  speed-up under synthetic acceptance (rows α, columns γ = " + ", ".join(map(str, GAMMAS)) + "):")
+        r = {m: costs[m] / t1 for m in sizes}
+        entry = results["models"][model_name] = {"step_s": t1, "step_bytes": step_bytes,
+                                                 "utilisation": step_bytes / t1 / bandwidth, "r": r}
+        print(f"\n{model_name}: eager step {t1 * 1e3:.2f} ms reading {step_bytes / 1e9:.2f} GB "
+              f"-> {step_bytes / t1 / 1e9:.0f} GB/s = {entry['utilisation']:.0%} of read bandwidth", flush=True)
+        print("  r(m), eager: " + " ".join(f"{m}:{r[m]:.2f}" for m in sizes), flush=True)
+        try:
+            graph = graph_costs(loaded.model, device, context, sizes)
+            entry.update(graph_step_s=graph[1], graph_utilisation=step_bytes / graph[1] / bandwidth,
+                         graph_r={m: graph[m] / graph[1] for m in sizes})
+            print(f"  graph-replayed step {graph[1] * 1e3:.2f} ms -> {step_bytes / graph[1] / 1e9:.0f} GB/s = "
+                  f"{entry['graph_utilisation']:.0%} of read bandwidth; the eager step takes "
+                  f"{t1 / graph[1]:.2f}x as long", flush=True)
+            print("  r(m), graph-replayed: " + " ".join(f"{m}:{entry['graph_r'][m]:.2f}" for m in sizes))
+        except Exception as exc:
+            entry["graph_error"] = _error(exc)
+            print(f"  no graph-replayed timings: {entry['graph_error']}", flush=True)
+        save(results, out)
+        entry.update(speculative_grid(loaded, device, 16 if args.tiny else 64, tokens, r))
+        print(f"  plain decoding {entry['plain_tok_s']:.1f} tok/s; speed-up under synthetic acceptance, "
+              f"measured (cost model from eager r):")
+        print("         " + "".join(f"{f'γ={g}':>17}" for g in GAMMAS))
         for alpha in ALPHAS:
-            cells = [grid["grid"][f"a={alpha},g={g}"] for g in GAMMAS]
-            print(f"    α={alpha:.1f}: " + "  ".join(
-                f"{c['speedup']:.2f}x{'' if c['valid'] else ' INVALID'}" for c in cells))
+            cells = [entry["grid"][f"a={alpha},g={g}"] for g in GAMMAS]
+            print(f"  α={alpha:.1f}: " + "".join(f"{_cell(c):>17}" for c in cells)
+                  + ("" if all(c["valid"] for c in cells) else "  INVALID"))
+        entry["seconds"] = time.perf_counter() - started
+        save(results, out)
         del loaded
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    out = Path(args.out) if args.out else HERE / "results" / "gpu" / f"gpu_bench{'_tiny' if args.tiny else ''}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
     print(f"\nwrote {out}")
     valid = all(c["valid"] for m in results["models"].values() for c in m["grid"].values())
-    return 0 if valid else 1
+    return 0 if valid and check["ok"] else 1
 
 
 if __name__ == "__main__":

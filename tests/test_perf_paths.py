@@ -684,16 +684,27 @@ def test_gpu_benchmark_runs_on_the_cpu_at_toy_sizes(tmp_path):
     out = tmp_path / "gpu.json"
     completed = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "gpu_bench.py"), "--tiny", "--device", "cpu",
-         "--max-m", "4", "--tokens", "6", "--out", str(out)],
+         "--max-m", "5", "--tokens", "6", "--out", str(out)],
         capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert completed.returncode == 0, completed.stdout + completed.stderr
     import json
     results = json.loads(out.read_text())
+    check = results["engine_check"]
+    assert check["ok"] and not check["failures"] and check["cli"]["returncode"] == 0
+    assert set(check["formats"]) == {"float32", "bfloat16", "float16", "int8", "int4"}
+    assert all(f["draft_equal"] and f["lookup_equal"] for f in check["formats"].values())
+    assert check["sampled"]["plain_repeats"] and check["sampled"]["draft_repeats"]
     assert set(results["models"]) == {"dense-8b", "moe-30b-a3b"}
     for model in results["models"].values():
-        assert model["r"]["1"] == 1.0 and len(model["r"]) == 4
+        assert model["r"]["1"] == 1.0 and len(model["r"]) == 5
         assert len(model["grid"]) == 9 and all(cell["valid"] for cell in model["grid"].values())
         assert model["step_bytes"] > 0
+        assert model["graph_error"] == "RuntimeError: CUDA graphs need a CUDA device"
+        # the cost model's prediction from the measured r(γ+1), where m = γ+1 was measured
+        cell = model["grid"]["a=0.5,g=4"]
+        expected_tokens = (1 - 0.5 ** 5) / (1 - 0.5)
+        assert abs(cell["predicted"] - expected_tokens / model["r"]["5"]) < 1e-9
+        assert model["grid"]["a=0.5,g=8"]["predicted"] is None  # r(9) was not measured
 
 
 def test_adaptive_draft_reads_only_the_recent_context_of_a_long_prompt(folder, tmp_path):
