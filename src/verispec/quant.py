@@ -434,7 +434,8 @@ def int4_from_float(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     offset = low.to(torch.float16).float()
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round((g - offset[..., None]) / safe[..., None]).clamp(0, 15)
-    nibbles = torch.from_numpy(_pack_nibbles(q.to(torch.uint8).numpy())).reshape(rows, cols // 2)
+    q = q.to(torch.uint8)  # packed with torch, on whatever device the weight is
+    nibbles = (q[..., :16] | (q[..., 16:] << 4)).reshape(rows, cols // 2)
     return nibbles, torch.stack([scale, offset], -1).to(torch.float16)
 
 
