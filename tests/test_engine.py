@@ -133,3 +133,18 @@ class TestCache:
         from verispec.errors import ContextOverflowError
         with pytest.raises(ContextOverflowError), torch.no_grad():
             model(IDS, model.new_cache(4))
+
+
+def test_attention_leaves_out_cudnn_on_cuda_and_changes_nothing_on_the_cpu():
+    """cuDNN's attention prepares a graph for every new key length, and decoding has a new one
+    at every step; the other backends stay available."""
+    from verispec.models.common import attention_backends
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with attention_backends(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    with attention_backends(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from verispec.config import ModelConfig
 
@@ -123,6 +125,25 @@ def causal_mask(start: int, length: int, device: torch.device, window: int | Non
     return mask
 
 
+# cuDNN's attention builds a graph for each new shape, and a decoding cache has a new length at
+# every step: on an H200, bfloat16 verification passes at lengths not seen before took three
+# times as long as at lengths seen (benchmarks/NOTES.md, "On an H200"). The other backends
+# build nothing per shape.
+_WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attention_backends(device: torch.device) -> contextlib.AbstractContextManager:
+    """The scaled_dot_product_attention backends verispec lets run on `device`."""
+    return sdpa_kernel(_WITHOUT_CUDNN) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of q [B, H, T, D] over the cached keys and values [B, H_kv, S, D]."""
+    with attention_backends(q.device):
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                              enable_gqa=keys.shape[1] != q.shape[1])
+
+
 class Attention(nn.Module):
     """Grouped-query attention with optional QKV bias, q/k norm and a sliding window."""
 
@@ -171,8 +192,7 @@ class Attention(nn.Module):
             mask = None  # a single query sees every cached key
         else:
             mask = causal_mask(start, length, x.device, self.window)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                             enable_gqa=self.num_kv_heads != self.num_heads)
+        out = attend(q, keys, values, mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 

@@ -37,7 +37,7 @@ from torch import nn
 
 from verispec.config import ModelConfig
 from verispec.errors import CorruptModelError
-from verispec.models.common import SwiGLU, apply_rope, causal_mask
+from verispec.models.common import SwiGLU, apply_rope, attend, causal_mask
 from verispec.models.dense import CausalLM
 from verispec.models.hybrid_cache import DeltaNetShape, HybridCache, PassRecord, delta_rule, l2_normalize
 from verispec.models.moe import ExpertAccounting, MoeCausalLM, SparseMoeBlock, is_sparse_layer
@@ -179,8 +179,7 @@ class GatedAttention(nn.Module):
         k = apply_rope(self.k_norm(k).transpose(1, 2), cos, sin).to(v.dtype)
         keys, values = cache.write(self.slot, start, k, v)
         mask = None if length == 1 else causal_mask(start, length, x.device)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                             enable_gqa=self.num_kv_heads != self.num_heads)
+        out = attend(q, keys, values, mask)
         out = out.transpose(1, 2).reshape(batch, length, -1) * torch.sigmoid(gate.reshape(batch, length, -1))
         return self.o_proj(out)
 
