@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import tiny
+from verispec import kernels
 from verispec.config import ModelConfig
 from verispec.errors import CorruptModelError
 from verispec.generate import generate
@@ -326,3 +327,18 @@ def test_greedy_speculation_with_an_unrelated_draft_equals_plain_decoding(saved,
     for gamma in (1, 4, 8):
         spec = generate(target, prompt, draft=draft, gamma=gamma, max_tokens=24, ignore_eos=True)
         assert spec.token_ids == plain.token_ids, f"gamma={gamma}"
+
+
+@pytest.mark.skipif(kernels.cpu_kernels() is None, reason="the CPU kernels could not be built")
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "int4"])
+def test_a_verification_pass_gives_every_position_the_bits_of_a_step(tmp_path, family, fmt):
+    """Greedy speculative output equals plain output by construction, not by luck at near-ties:
+    attention, experts and shared experts round a pass's rows as single steps do. (Sizes are
+    multiples of 32, as in real checkpoints: the kernels take those.)"""
+    save_moe_model(tmp_path, family, seed=5, **({"shared_expert_intermediate_size": 64}
+                                                 if family == "qwen2_moe" else {}))
+    model = load_model(tmp_path, weights=fmt).model
+    ids = torch.tensor([[5, 17, 33, 2, 90, 41, 7, 66, 12, 3, 200, 8]])
+    one_pass, steps = tiny.pass_and_steps(model, ids, prefix=4)
+    assert torch.equal(one_pass, steps)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tiny
+from verispec import kernels
 from verispec.errors import RollbackError
 from verispec.events import Finished
 from verispec.generate import generate, stream
@@ -586,3 +587,30 @@ def test_lab_counts_the_recurrent_state_in_bytes_per_pass(saved):
     state = ours.model.state_bytes()
     assert state > 0
     assert bytes_read_per_pass(ours) == ours.weight_bytes() + state
+
+
+@pytest.mark.skipif(kernels.cpu_kernels() is None, reason="the CPU kernels could not be built")
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "int4"])
+def test_a_verification_pass_gives_every_position_the_bits_of_a_step(tmp_path, family, fmt):
+    """Delta-net mixing, gated attention and experts round a pass's rows as single steps do,
+    and so does the replay of a pass's kept positions after a rollback."""
+    save_hybrid(tmp_path, hybrid_config(family, shared_expert_intermediate_size=64), seed=4)
+    model = load_model(tmp_path, weights=fmt).model
+    ids = random_ids(14, seed=3)
+    one_pass, steps = tiny.pass_and_steps(model, ids, prefix=5)
+    assert torch.equal(one_pass, steps)
+    with torch.inference_mode():  # keep 4 of a pass of 9, then step on: the bits of plain steps
+        cache = model.new_cache(16)
+        model(ids[:, :5], cache)
+        model(ids[:, 5:], cache)
+        cache.rollback(9)
+        after_rollback = model(ids[:, 9:10], cache)
+    assert torch.equal(after_rollback, steps[:, 4:5])
+
+
+def test_the_stepwise_delta_rule_covers_every_verification_pass():
+    from verispec.generate import MAX_GAMMA
+    from verispec.models.common import VERIFY_PASS_MAX
+
+    assert VERIFY_PASS_MAX == MAX_GAMMA + 1

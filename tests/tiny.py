@@ -91,6 +91,18 @@ def save_hf_model(folder: Path, family: str = "qwen2", seed: int = 0, **override
     return model
 
 
+def pass_and_steps(model: torch.nn.Module, ids: torch.Tensor, prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits for ids[prefix:] from one pass and from single steps, each after the same prefix."""
+    with torch.inference_mode():
+        cache = model.new_cache(ids.shape[1] + 1)
+        model(ids[:, :prefix], cache)
+        one_pass = model(ids[:, prefix:], cache)
+        cache = model.new_cache(ids.shape[1] + 1)
+        model(ids[:, :prefix], cache)
+        steps = torch.cat([model(ids[:, i:i + 1], cache) for i in range(prefix, ids.shape[1])], dim=1)
+    return one_pass, steps
+
+
 # ------------------------------------------------------------------ GGUF
 
 _GGUF_BLOCK = {

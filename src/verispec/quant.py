@@ -50,6 +50,7 @@ GROUP = 32  # int4 group size along the input features
 PANEL = 16  # output columns per panel of the panel layouts
 INT4_PANEL_GROUP_BYTES = 64 + 256  # per panel and group of 32 in int4's panels: scales and offsets, nibbles
 KERNEL_MAX_ROWS = 64  # more rows (a long prompt) go to a dense GEMM instead
+KERNEL_LANES = 16  # the row-major float kernel reads input features in sixteens
 
 
 class PackedLinear(nn.Module, metaclass=ABCMeta):

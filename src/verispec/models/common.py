@@ -137,8 +137,30 @@ def attention_backends(device: torch.device) -> contextlib.AbstractContextManage
     return sdpa_kernel(_WITHOUT_CUDNN) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Attention of q [B, H, T, D] over the cached keys and values [B, H_kv, S, D]."""
+# The longest verification pass: γ + 1 positions, γ <= 32 (generate.MAX_GAMMA). Passes up to
+# this long compute each position exactly as a single decoding step would.
+VERIFY_PASS_MAX = 33
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+           window: int | None = None) -> torch.Tensor:
+    """Causal attention of q [B, H, T, D], at positions start..start+T-1, over the cached keys
+    and values [B, H_kv, start+T, D] (and only the last `window` of them, if set).
+
+    On the CPU a pass of a few positions attends one position at a time, each exactly as a
+    decoding step at that position would: PyTorch's CPU attention rounds a masked pass over
+    several queries differently from a single query, and a verification pass must give each
+    position the logits a plain step gives it, bit for bit.
+    """
+    length = q.shape[2]
+    if q.device.type == "cpu" and 1 < length <= VERIFY_PASS_MAX:
+        return torch.cat([attend(q[:, :, i:i + 1], keys[:, :, :start + i + 1], values[:, :, :start + i + 1],
+                                 start + i, window) for i in range(length)], dim=2)
+    end = start + length
+    if length == 1 and (window is None or end <= window):
+        mask = None  # a single query sees every cached key
+    else:
+        mask = causal_mask(start, length, q.device, window)
     with attention_backends(q.device):
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                               enable_gqa=keys.shape[1] != q.shape[1])
@@ -187,12 +209,7 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin).to(v.dtype)
         k = apply_rope(k, cos, sin).to(v.dtype)
         keys, values = cache.write(self.layer_index, start, k, v)
-        end = start + length
-        if length == 1 and (self.window is None or end <= self.window):
-            mask = None  # a single query sees every cached key
-        else:
-            mask = causal_mask(start, length, x.device, self.window)
-        out = attend(q, keys, values, mask)
+        out = attend(q, keys, values, start, self.window)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 

@@ -43,6 +43,7 @@ import torch
 
 from verispec.cache import KVCache
 from verispec.errors import ContextOverflowError, RollbackError
+from verispec.models.common import VERIFY_PASS_MAX
 
 REPLAY_WINDOW = 64  # positions of history always kept: 2x the engine's longest draft
 
@@ -119,12 +120,25 @@ def delta_rule_chunked(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor,
 
 def delta_rule(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
                beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """The recurrent form for one position, the chunked form for several ([B, H, T, ...] layout)."""
-    if k.shape[2] == 1:
-        out, state = delta_rule_step(None if q is None else q[:, :, 0], k[:, :, 0], v[:, :, 0],
-                                     decay[:, :, 0], beta[:, :, 0], state)
-        return (None if out is None else out[:, :, None]), state
-    return delta_rule_chunked(q, k, v, decay, beta, state)
+    """The recurrent form position by position for a pass no longer than a verification pass,
+    the chunked form for longer ones (prompts); [B, H, T, ...] layout.
+
+    The chunked form is the same function rounded differently, and a verification pass, or
+    the replay of its kept positions, must leave the outputs and the state that plain steps
+    leave, bit for bit: so up to VERIFY_PASS_MAX positions the pass is those steps.
+    """
+    length = k.shape[2]
+    if length > VERIFY_PASS_MAX:
+        return delta_rule_chunked(q, k, v, decay, beta, state)
+    def at(x: torch.Tensor, t: int) -> torch.Tensor:  # one position, laid out as a step's own
+        return x[:, :, t].contiguous()
+
+    outputs = []
+    for t in range(length):
+        out, state = delta_rule_step(None if q is None else at(q, t), at(k, t), at(v, t), at(decay, t),
+                                     at(beta, t), state)
+        outputs.append(out)
+    return (None if q is None else torch.stack(outputs, dim=2)), state
 
 
 # ---------------------------------------------------------------- the cache

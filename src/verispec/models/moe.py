@@ -32,7 +32,9 @@ from torch import nn
 from verispec.config import ModelConfig
 from verispec.errors import CorruptModelError
 from verispec.models.common import SwiGLU
+from verispec.kernels import cpu_kernels
 from verispec.models.dense import CausalLM, DecoderLayer
+from verispec.quant import KERNEL_LANES, KERNEL_MAX_ROWS
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -47,8 +49,23 @@ class StackedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
     def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        hidden = F.silu(F.linear(x, self.gate_proj[expert])) * F.linear(x, self.up_proj[expert])
-        return F.linear(hidden, self.down_proj[expert])
+        gate, up, down = self.gate_proj[expert], self.up_proj[expert], self.down_proj[expert]
+        kernels = self._kernels(x)
+        if kernels is None:
+            return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+        # verispec's products give each row the same bits however many rows an expert gets
+        # (PyTorch's do not), so a verification pass routes to the bits of plain steps
+        rows = x.float().contiguous()
+        hidden = F.silu(kernels.linear_float(rows, gate, None, None)) * kernels.linear_float(rows, up, None, None)
+        return kernels.linear_float(hidden, down, None, None).to(x.dtype)
+
+    def _kernels(self, x: torch.Tensor):
+        """The CPU kernels, where they take these rows and weights; else None."""
+        if x.device.type != "cpu" or x.shape[0] > KERNEL_MAX_ROWS:
+            return None
+        if self.gate_proj.shape[-1] % KERNEL_LANES or self.down_proj.shape[-1] % KERNEL_LANES:
+            return None
+        return cpu_kernels()
 
     def bytes_per_expert(self) -> int:
         return sum(w[0].numel() * w.element_size() for w in (self.gate_proj, self.up_proj, self.down_proj))

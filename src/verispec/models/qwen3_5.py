@@ -37,7 +37,7 @@ from torch import nn
 
 from verispec.config import ModelConfig
 from verispec.errors import CorruptModelError
-from verispec.models.common import SwiGLU, apply_rope, attend, causal_mask
+from verispec.models.common import VERIFY_PASS_MAX, SwiGLU, apply_rope, attend
 from verispec.models.dense import CausalLM
 from verispec.models.hybrid_cache import DeltaNetShape, HybridCache, PassRecord, delta_rule, l2_normalize
 from verispec.models.moe import ExpertAccounting, MoeCausalLM, SparseMoeBlock, is_sparse_layer
@@ -125,9 +125,21 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_width, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cache: HybridCache) -> torch.Tensor:
-        batch, length, _ = x.shape
+        projected = self.in_proj(x)
+        length = x.shape[1]
+        if x.device.type == "cpu" and 1 < length <= VERIFY_PASS_MAX:
+            # a verification pass mixes position by position, each exactly as a plain step
+            # does: the batched form rounds differently (the projections stay batched)
+            mixed = torch.cat([self._mix(projected[:, t:t + 1], cache) for t in range(length)], dim=1)
+        else:
+            mixed = self._mix(projected, cache)
+        return self.out_proj(mixed)
+
+    def _mix(self, projected: torch.Tensor, cache: HybridCache) -> torch.Tensor:
+        """Convolution, delta rule and gated norm over in_proj's output [B, T, ...] -> [B, T, Hv*Dv]."""
+        batch, length, _ = projected.shape
         s = self.shape
-        mixed, z, b, a = self.in_proj(x).split(
+        mixed, z, b, a = projected.split(
             [s.conv_channels, self.value_width, s.value_heads, s.value_heads], dim=-1)
         conv_window, state = cache.linear_state(self.slot)
         conv_inputs = mixed.transpose(1, 2)
@@ -148,9 +160,9 @@ class GatedDeltaNet(nn.Module):
                                 v, decay, beta, state)
         cache.update_linear(self.slot, window[:, :, window.shape[2] - (s.conv_kernel - 1):], state,
                             PassRecord(conv_inputs, k, v, decay, beta))
-        out = out.transpose(1, 2).to(x.dtype)  # [B, T, Hv, Dv]
+        out = out.transpose(1, 2).to(projected.dtype)  # [B, T, Hv, Dv]
         out = self.norm(out, z.reshape(batch, length, s.value_heads, s.value_dim))
-        return self.out_proj(out.reshape(batch, length, self.value_width))
+        return out.reshape(batch, length, self.value_width)
 
 
 class GatedAttention(nn.Module):
@@ -178,8 +190,7 @@ class GatedAttention(nn.Module):
         q = apply_rope(self.q_norm(q).transpose(1, 2), cos, sin).to(v.dtype)
         k = apply_rope(self.k_norm(k).transpose(1, 2), cos, sin).to(v.dtype)
         keys, values = cache.write(self.slot, start, k, v)
-        mask = None if length == 1 else causal_mask(start, length, x.device)
-        out = attend(q, keys, values, mask)
+        out = attend(q, keys, values, start)
         out = out.transpose(1, 2).reshape(batch, length, -1) * torch.sigmoid(gate.reshape(batch, length, -1))
         return self.o_proj(out)
 
