@@ -342,3 +342,64 @@ def test_a_verification_pass_gives_every_position_the_bits_of_a_step(tmp_path, f
     ids = torch.tensor([[5, 17, 33, 2, 90, 41, 7, 66, 12, 3, 200, 8]])
     one_pass, steps = tiny.pass_and_steps(model, ids, prefix=4)
     assert torch.equal(one_pass, steps)
+
+
+EXPERT_STORAGE = {"float32": ("float", torch.float32), "bfloat16": ("float", torch.bfloat16),
+                  "int8": ("int8", torch.int8), "int4": ("int4", torch.uint8)}
+
+
+@pytest.mark.parametrize("fmt", list(EXPERT_STORAGE))
+def test_the_experts_take_the_weight_format_too(saved, fmt):
+    """The routed experts are most of an MoE's weights: --weights applies to them as to every
+    other product, and what they compute stays close to the float32 experts."""
+    folder, _ = saved("qwen3_moe")
+    reference = load_model(folder, weights="float32").model
+    model = load_model(folder, weights=fmt).model
+    experts = model.moe_blocks()[0].experts
+    kind, dtype = EXPERT_STORAGE[fmt]
+    assert experts.kind == kind and experts.gate_proj.dtype == dtype
+    # gate and up [32, 64], down [64, 32]: 6,144 weights; int8 adds a float32 scale per row,
+    # int4 a float16 scale and offset per row and group of 32 inputs
+    assert experts.bytes_per_expert() == {"float32": 4 * 6144, "bfloat16": 2 * 6144, "int8": 6144 + 4 * 128,
+                                          "int4": 6144 // 2 + 4 * (2 * 32 * 2 + 64 * 1)}[fmt]
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    tolerance = {"float32": 0, "bfloat16": 0.02, "int8": 0.03, "int4": 0.2}[fmt]  # of the largest output
+    with torch.inference_mode():
+        for expert in range(NUM_EXPERTS):
+            expected = reference.moe_blocks()[0].experts(x, expert)
+            got = experts(x, expert)
+            assert (got - expected).abs().max() <= tolerance * expected.abs().max()
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4"])
+def test_packed_experts_give_the_same_function_without_the_kernels(saved, fmt):
+    """PyTorch's path (no kernels, or a GPU) dequantises the expert it runs: float32 rounding only."""
+    folder, _ = saved("mixtral")
+    experts = load_model(folder, weights=fmt).model.moe_blocks()[0].experts
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        for expert in range(NUM_EXPERTS):
+            fast = experts(x, expert)
+            kernels.set_enabled(False)
+            try:
+                plain = experts(x, expert)
+            finally:
+                kernels.set_enabled(True)
+            assert (plain - fast).abs().max() <= 1e-5 * fast.abs().max()
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4"])
+def test_weight_cache_keeps_the_experts_format(saved, tmp_path, monkeypatch, fmt):
+    from verispec.loading import weight_cache
+
+    monkeypatch.setattr(weight_cache, "MIN_FILE_BYTES", 0)
+    monkeypatch.setenv("VERISPEC_CACHE_DIR", str(tmp_path / "cache"))
+    _, ref = saved("qwen2_moe")
+    write_moe_gguf(tmp_path / "model.gguf", ref, "qwen2moe")
+    first = load_model(tmp_path / "model.gguf", weights=fmt)
+    second = load_model(tmp_path / "model.gguf", weights=fmt)
+    assert second.info.get("gguf_metadata_keys", 0) == 0  # came from the cache, not the file
+    assert second.model.moe_blocks()[0].experts.kind == first.model.moe_blocks()[0].experts.kind
+    assert all(torch.equal(t, second.model.state_dict()[n]) for n, t in first.model.state_dict().items())
+    assert (generate(first, "the cat", max_tokens=10, ignore_eos=True).token_ids
+            == generate(second, "the cat", max_tokens=10, ignore_eos=True).token_ids)

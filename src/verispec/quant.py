@@ -285,10 +285,7 @@ class Int8Linear(PackedLinear):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
-        w = weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(q, scale, bias)
+        return cls(*int8_from_float(weight), bias)
 
 
     def torch_product(self, rows):
@@ -423,6 +420,14 @@ def round_activations(x: torch.Tensor, levels: int = 127) -> torch.Tensor:
     return (q * dx).reshape(x.shape)
 
 
+def int8_from_float(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row (the last dimension is the input): (q, float32 scale)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=-1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
 def int4_from_float(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric 4-bit quantisation per group of 32: s = (max - min)/15, z = min."""
     w = weight.detach().float()
@@ -550,6 +555,9 @@ def quantize_model(model: nn.Module, fmt: str, gguf_tensors: dict | None = None)
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, name, pack(prefix, name, child))
+    for module in model.modules():
+        if hasattr(type(module), "pack"):  # stacked experts: every expert in the same format
+            module.pack(fmt)
     if getattr(model, "lm_head", "absent") is None and hasattr(model, "model"):
         embedding = model.model.embed_tokens.weight
         head = nn.Linear(embedding.shape[1], embedding.shape[0], bias=False)

@@ -101,6 +101,8 @@ def store(entry: Path, model: nn.Module, config: ModelConfig, tokenizer: Tokeniz
         "packed": {name: type(module).__name__ for name, module in model.named_modules()
                    if isinstance(module, PackedLinear)},
         "aliases": aliases,
+        "expert_kinds": {name: module.kind for name, module in model.named_modules()
+                         if hasattr(type(module), "expect")},
         "config": dataclasses.asdict(config),
         "tokenizer": {"backend": tokenizer.backend.to_str(), "eos_ids": sorted(tokenizer.eos_ids),
                       "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
@@ -154,6 +156,8 @@ def load(entry: Path) -> tuple[nn.Module, ModelConfig, Tokenizer, set[int]] | No
         cls = getattr(quant, kind)
         prefix = f"{name}."
         setattr(parent, attr, cls(*(tensors[prefix + field] for field in cls.STORED), tensors.get(prefix + "bias")))
+    for name, kind in described.get("expert_kinds", {}).items():
+        model.get_submodule(name).expect(kind)
     if "model.embed_tokens.weight" not in tensors:  # stored once, in the output layer
         quant.share_tied_embedding(model)
     try:

@@ -31,16 +31,27 @@ from torch import nn
 
 from verispec.config import ModelConfig
 from verispec.errors import CorruptModelError
-from verispec.models.common import SwiGLU
 from verispec.kernels import cpu_kernels
+from verispec.models.common import SwiGLU
 from verispec.models.dense import CausalLM, DecoderLayer
-from verispec.quant import KERNEL_LANES, KERNEL_MAX_ROWS
+from verispec.quant import (FLOAT_DTYPES, GROUP, KERNEL_LANES, KERNEL_MAX_ROWS, int4_from_float, int4_to_float,
+                            int8_from_float)
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 class StackedExperts(nn.Module):
-    """E SwiGLU experts: gate_proj, up_proj [E, ff, hidden] and down_proj [E, hidden, ff]."""
+    """E SwiGLU experts: gate_proj, up_proj [E, ff, hidden] and down_proj [E, hidden, ff].
+
+    `pack(fmt)` stores them in a weight format, as quant.py does for single layers:
+    `kind` "float" keeps the three stacks in float32, bfloat16 or float16; "int8" holds
+    them as int8 with one float32 scale per output row (`*_scale`, [E, out]); "int4" as
+    nibbles [E, out, in/2] with float16 (scale, offset) per group of 32 (`*_scales`,
+    [E, out, in/32, 2]), the layout of `quant.Int4Linear`.
+    """
+
+    kind = "float"
+    EXTRA = {"float": (), "int8": ("_scale",), "int4": ("_scales",)}  # per projection, beside it
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
@@ -49,26 +60,80 @@ class StackedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
     def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        gate, up, down = self.gate_proj[expert], self.up_proj[expert], self.down_proj[expert]
         kernels = self._kernels(x)
         if kernels is None:
+            gate, up, down = (self.dense_weight(name, expert).to(x.dtype) for name in PROJECTIONS)
             return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
         # verispec's products give each row the same bits however many rows an expert gets
         # (PyTorch's do not), so a verification pass routes to the bits of plain steps
         rows = x.float().contiguous()
-        hidden = F.silu(kernels.linear_float(rows, gate, None, None)) * kernels.linear_float(rows, up, None, None)
-        return kernels.linear_float(hidden, down, None, None).to(x.dtype)
+        hidden = F.silu(self._product(kernels, "gate_proj", expert, rows)) * self._product(kernels, "up_proj", expert, rows)
+        return self._product(kernels, "down_proj", expert, hidden).to(x.dtype)
+
+    def _product(self, kernels, name: str, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        weight = getattr(self, name)[expert]
+        if self.kind == "int8":
+            return kernels.linear_int8(rows, weight, getattr(self, name + "_scale")[expert], None, None)
+        if self.kind == "int4":
+            return kernels.linear_int4(rows, weight, getattr(self, name + "_scales")[expert], None, None)
+        return kernels.linear_float(rows, weight, None, None)
 
     def _kernels(self, x: torch.Tensor):
         """The CPU kernels, where they take these rows and weights; else None."""
         if x.device.type != "cpu" or x.shape[0] > KERNEL_MAX_ROWS:
             return None
-        if self.gate_proj.shape[-1] % KERNEL_LANES or self.down_proj.shape[-1] % KERNEL_LANES:
+        if self.gate_proj.shape[-1] * self._inputs_per_element() % KERNEL_LANES:
+            return None
+        if self.down_proj.shape[-1] * self._inputs_per_element() % KERNEL_LANES:
             return None
         return cpu_kernels()
 
+    def _inputs_per_element(self) -> int:
+        return 2 if self.kind == "int4" else 1  # two 4-bit weights per stored byte
+
+    def dense_weight(self, name: str, expert: int) -> torch.Tensor:
+        """One expert's projection `name` as a float [out, in] tensor (float32 unless stored as a float)."""
+        weight = getattr(self, name)[expert]
+        if self.kind == "int8":
+            return weight.float() * getattr(self, name + "_scale")[expert][:, None]
+        if self.kind == "int4":
+            return int4_to_float(weight, getattr(self, name + "_scales")[expert])
+        return weight
+
+    def pack(self, fmt: str) -> None:
+        """Store the experts in weight format `fmt` (see quant.FORMATS), in place. int4 needs
+        every input size to be a multiple of 32 and falls back to int8 for all three otherwise."""
+        if fmt in FLOAT_DTYPES:
+            for name in PROJECTIONS:
+                setattr(self, name, nn.Parameter(getattr(self, name).detach().to(FLOAT_DTYPES[fmt]),
+                                                 requires_grad=False))
+            return
+        whole_groups = all(getattr(self, name).shape[-1] % GROUP == 0 for name in PROJECTIONS)
+        kind = "int4" if fmt in ("int4", "int4-mixed") and whole_groups else "int8"
+        for name in PROJECTIONS:
+            weight = getattr(self, name).detach()
+            experts, out_features, in_features = weight.shape
+            if kind == "int8":
+                stored, extra = int8_from_float(weight)
+            else:
+                nibbles, scales = int4_from_float(weight.reshape(experts * out_features, in_features))
+                stored = nibbles.reshape(experts, out_features, -1)
+                extra = scales.reshape(experts, out_features, *scales.shape[1:])
+            setattr(self, name, nn.Parameter(stored, requires_grad=False))
+            self.register_buffer(name + self.EXTRA[kind][0], extra)
+        self.kind = kind
+
+    def expect(self, kind: str) -> None:
+        """Take the tensors' shapes and types of `kind` before a state dict of that kind is
+        assigned (on a model built on the meta device, as the weight cache does: packing
+        meta tensors computes nothing)."""
+        if kind != "float":
+            self.pack(kind)
+
     def bytes_per_expert(self) -> int:
-        return sum(w[0].numel() * w.element_size() for w in (self.gate_proj, self.up_proj, self.down_proj))
+        """Bytes one expert's three projections hold, scales included."""
+        names = [name + suffix for name in PROJECTIONS for suffix in ("", *self.EXTRA[self.kind])]
+        return sum(getattr(self, n)[0].numel() * getattr(self, n).element_size() for n in names)
 
 
 class SparseMoeBlock(nn.Module):
