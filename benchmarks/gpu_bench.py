@@ -236,11 +236,13 @@ def _error(exc: BaseException) -> str:
 
 def engine_check(device: torch.device, tokens: int = 24) -> dict:
     """The engine on `device` through its public paths, with tiny checkpoint folders (the
-    tests' own builder): every weight format loads and decodes, and speculative greedy tokens
-    equal plain ones; sampled decoding repeats itself under a seed; the command line runs.
+    tests' own builders): every weight format loads and decodes, a dense model's and an MoE's,
+    and speculative greedy tokens equal plain ones; sampled decoding repeats itself under a
+    seed; the command line runs.
     `ok` is whether every check passed; `cpu_agreement` (information only) is how many
     leading float32 greedy tokens the device and the CPU share."""
     sys.path.insert(0, str(REPO / "tests"))
+    import test_moe
     import tiny
     from verispec.generate import generate
     from verispec.loading import load_model
@@ -248,6 +250,7 @@ def engine_check(device: torch.device, tokens: int = 24) -> dict:
     folder = Path(tempfile.mkdtemp(prefix="verispec-gpu-check-"))
     tiny.save_hf_model(folder / "target", "qwen3", seed=0)
     tiny.save_hf_model(folder / "draft", "qwen3", seed=0, num_hidden_layers=1)
+    test_moe.save_moe_model(folder / "moe", "qwen3_moe", seed=0)
     target_path, draft_path = folder / "target", folder / "draft"
     run = dict(max_tokens=tokens, ignore_eos=True)
     report: dict = {"formats": {}, "failures": []}
@@ -274,6 +277,15 @@ def engine_check(device: torch.device, tokens: int = 24) -> dict:
         except Exception as exc:  # record and go on: one run on a lent device must tell everything
             report["formats"][fmt] = {"error": _error(exc)}
             check(f"{fmt}: {_error(exc)}", False)
+        try:  # a mixture of experts, its experts in the same format
+            moe = load_model(folder / "moe", device=str(device), weights=fmt)
+            plain = generate(moe, PROMPT, **run).token_ids
+            report["formats"][fmt]["moe_lookup_equal"] = same = (
+                generate(moe, PROMPT, draft="ngram", gamma=4, **run).token_ids == plain)
+            check(f"{fmt}: MoE with prompt lookup", same and len(plain) == tokens)
+        except Exception as exc:
+            report["formats"][fmt]["moe_error"] = _error(exc)
+            check(f"{fmt} MoE: {_error(exc)}", False)
 
     try:
         target = load_model(target_path, device=str(device))
