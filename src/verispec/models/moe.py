@@ -103,6 +103,8 @@ class StackedExperts(nn.Module):
     def pack(self, fmt: str) -> None:
         """Store the experts in weight format `fmt` (see quant.FORMATS), in place. int4 needs
         every input size to be a multiple of 32 and falls back to int8 for all three otherwise."""
+        if self.kind != "float":
+            raise ValueError(f"the experts are packed already ({self.kind})")
         if fmt in FLOAT_DTYPES:
             for name in PROJECTIONS:
                 setattr(self, name, nn.Parameter(getattr(self, name).detach().to(FLOAT_DTYPES[fmt]),
@@ -110,17 +112,18 @@ class StackedExperts(nn.Module):
             return
         whole_groups = all(getattr(self, name).shape[-1] % GROUP == 0 for name in PROJECTIONS)
         kind = "int4" if fmt in ("int4", "int4-mixed") and whole_groups else "int8"
+        convert = int8_from_float if kind == "int8" else int4_from_float
         for name in PROJECTIONS:
             weight = getattr(self, name).detach()
-            experts, out_features, in_features = weight.shape
-            if kind == "int8":
-                stored, extra = int8_from_float(weight)
-            else:
-                nibbles, scales = int4_from_float(weight.reshape(experts * out_features, in_features))
-                stored = nibbles.reshape(experts, out_features, -1)
-                extra = scales.reshape(experts, out_features, *scales.shape[1:])
+            if weight.is_meta:  # shapes and types only
+                parts = [convert(weight.reshape(-1, weight.shape[-1]))]
+                stored, extra = (t.reshape(weight.shape[0], weight.shape[1], *t.shape[1:]) for t in parts[0])
+            else:  # one expert at a time: the temporaries of one, not of all
+                parts = [convert(expert) for expert in weight]
+                stored, extra = (torch.stack(tensors) for tensors in zip(*parts))
             setattr(self, name, nn.Parameter(stored, requires_grad=False))
             self.register_buffer(name + self.EXTRA[kind][0], extra)
+            del weight, parts
         self.kind = kind
 
     def expect(self, kind: str) -> None:
