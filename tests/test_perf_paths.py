@@ -536,6 +536,49 @@ def test_gguf_4bit_blocks_repack_without_float32(kind):
         assert torch.equal(ours, expected)
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_an_embedding_in_gguf_blocks_gives_the_rows_of_the_decoded_table(kind):
+    from gguf import quants
+
+    from verispec.quant import embedding_from_gguf
+
+    rows, cols = 40, 512
+    data = _random_blocks(kind, rows, cols, np.random.default_rng(1))
+    tensor = _FakeGGUFTensor(kind, rows, cols, data)
+    table = torch.from_numpy(quants.dequantize(data, tensor.tensor_type)).reshape(rows, cols)
+    embedding = embedding_from_gguf(tensor, torch.float32)
+    ids = torch.tensor([[3, 39, 0, 3], [7, 8, 21, 1]])
+    assert torch.equal(embedding(ids), table[ids])
+    assert embedding.blocks.numel() == data.size  # the blocks, nothing decoded
+    assert embedding_from_gguf(_FakeGGUFTensor("F16", rows, cols, np.zeros((rows, cols), np.float16)),
+                               torch.float32) is None  # a float table stays a table
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4-mixed"])
+def test_int_formats_look_tokens_up_in_the_files_embedding_blocks(tmp_path, monkeypatch, fmt):
+    from verispec.loading import weight_cache
+    from verispec.quant import GgufEmbedding
+
+    monkeypatch.setattr(weight_cache, "MIN_FILE_BYTES", 0)
+    monkeypatch.setenv("VERISPEC_CACHE_DIR", str(tmp_path / "cache"))
+    ref = tiny.save_hf_model(tmp_path / "hf", "qwen2", seed=5)
+    tiny.write_gguf(tmp_path / "model.gguf", ref, "qwen2", embedding_type="Q8_0")
+    whole_table = load_model(tmp_path / "model.gguf", weights="float32").model.model.embed_tokens
+    first = load_model(tmp_path / "model.gguf", weights=fmt)
+    second = load_model(tmp_path / "model.gguf", weights=fmt)  # from the weight cache
+    assert second.info.get("gguf_metadata_keys", 0) == 0
+    ids = torch.arange(tiny.VOCAB).view(2, -1)
+    for loaded in (first, second):
+        embedding = loaded.model.model.embed_tokens
+        assert isinstance(embedding, GgufEmbedding)
+        assert embedding.blocks.numel() == tiny.VOCAB * 2 * 34  # 64 wide: two Q8_0 blocks of 34 bytes
+        assert torch.equal(embedding(ids), whole_table(ids))
+        assert loaded.weight_bytes() == sum(t.numel() * t.element_size() for n, t in loaded.model.state_dict().items()
+                                            if "embed_tokens" not in n)  # a lookup, not a read
+    assert (generate(first, PROMPT, max_tokens=12, ignore_eos=True).token_ids
+            == generate(second, PROMPT, max_tokens=12, ignore_eos=True).token_ids)
+
+
 def test_other_gguf_types_are_not_repacked():
     tensor = _FakeGGUFTensor("Q8_0", 2, 32, np.zeros((2, 34), dtype=np.uint8))
     assert int4_from_gguf(tensor) is None

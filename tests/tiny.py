@@ -132,8 +132,9 @@ def add_gguf_tokenizer(writer) -> None:
     writer.add_chat_template(CHAT_TEMPLATE)
 
 
-def write_gguf(path: Path, hf_model, arch: str) -> None:
-    """Write a transformers dense model as an F32 GGUF file with the tiny tokenizer embedded."""
+def write_gguf(path: Path, hf_model, arch: str, embedding_type: str | None = None) -> None:
+    """Write a transformers dense model as an F32 GGUF file with the tiny tokenizer embedded
+    (its token embedding in GGML type `embedding_type`, such as "Q8_0", if given)."""
     import gguf
 
     cfg = hf_model.config
@@ -169,6 +170,10 @@ def write_gguf(path: Path, hf_model, arch: str) -> None:
                 array = _permute(array, cfg.num_attention_heads)
             elif arch == "llama" and module == "self_attn.k_proj":
                 array = _permute(array, cfg.num_key_value_heads)
+        if gguf_name == "token_embd.weight" and embedding_type:
+            kind = gguf.GGMLQuantizationType[embedding_type]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+            continue
         writer.add_tensor(gguf_name, np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

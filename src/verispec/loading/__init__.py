@@ -79,6 +79,21 @@ def _build(config: ModelConfig, state: dict[str, torch.Tensor], path: Path) -> n
     return model
 
 
+def keep_embedding_blocks(model: nn.Module, raw) -> None:
+    """In an int format, look tokens up in the GGUF file's own embedding blocks (`raw`, its
+    raw tensor) rather than in a float32 table: the output layer has its own packed copy, so
+    the table would only serve lookups, and decoded it is most of a small model's memory."""
+    from verispec.quant import embedding_from_gguf
+
+    backbone = getattr(model, "model", None)
+    table = getattr(backbone, "embed_tokens", None)
+    if raw is None or not isinstance(table, nn.Embedding) or getattr(model, "lm_head", None) is None:
+        return
+    blocks = embedding_from_gguf(raw, table.weight.dtype)
+    if blocks is not None:
+        backbone.embed_tokens = blocks
+
+
 def settle_in_memory(model: nn.Module, mapped: set[int]) -> None:
     """Leave a packed CPU model holding each weight once, in memory of its own.
 
@@ -184,6 +199,8 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
     elif packed:
         from verispec.quant import quantize_model
         quantize_model(model, fmt, gguf_tensors=quantized)
+        if fmt in PACKED_FORMATS:
+            keep_embedding_blocks(model, quantized.get("model.embed_tokens.weight"))
         if entry is not None:
             weight_cache.store(entry, model, config, tokenizer, source=path)
     if packed and device.type == "cpu":

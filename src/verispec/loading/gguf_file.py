@@ -193,7 +193,8 @@ def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False
     """Returns (config, state_dict, metadata, quantized) for a GGUF file.
 
     `quantized` maps a Hugging Face weight name to its raw GGUF tensor (its blocks and its
-    stored type), for every matrix whose rows are stored in order, when keep_quantized is set.
+    stored type): the token embedding's always, and every matrix's whose rows are stored in
+    order when keep_quantized is set.
     """
     reader = open_reader(path)
     meta = metadata(reader)
@@ -225,7 +226,7 @@ def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False
             value = unpermute_qk(value, config.num_attention_heads)
         elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
             value = unpermute_qk(value, config.num_key_value_heads)
-        elif keep_quantized and value.dim() == 2:
-            quantized[name] = tensor
+        elif (keep_quantized and value.dim() == 2) or name == "model.embed_tokens.weight":
+            quantized[name] = tensor  # the embedding's blocks can serve lookups (quant.GgufEmbedding)
         state[name] = value.to(dtype)
     return config, state, meta, quantized

@@ -87,7 +87,7 @@ def store(entry: Path, model: nn.Module, config: ModelConfig, tokenizer: Tokeniz
     file again."""
     from safetensors.torch import save_file
 
-    from verispec.quant import PackedLinear
+    from verispec.quant import GgufEmbedding, PackedLinear
 
     tensors, aliases, owners = {}, {}, {}
     for name, tensor in model.state_dict().items():
@@ -103,6 +103,8 @@ def store(entry: Path, model: nn.Module, config: ModelConfig, tokenizer: Tokeniz
         "aliases": aliases,
         "expert_kinds": {name: module.kind for name, module in model.named_modules()
                          if hasattr(type(module), "expect")},
+        "gguf_embeddings": {name: [module.quant_type, str(module.dtype).removeprefix("torch.")]
+                            for name, module in model.named_modules() if isinstance(module, GgufEmbedding)},
         "config": dataclasses.asdict(config),
         "tokenizer": {"backend": tokenizer.backend.to_str(), "eos_ids": sorted(tokenizer.eos_ids),
                       "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
@@ -158,7 +160,11 @@ def load(entry: Path) -> tuple[nn.Module, ModelConfig, Tokenizer, set[int]] | No
         setattr(parent, attr, cls(*(tensors[prefix + field] for field in cls.STORED), tensors.get(prefix + "bias")))
     for name, kind in described.get("expert_kinds", {}).items():
         model.get_submodule(name).expect(kind)
-    if "model.embed_tokens.weight" not in tensors:  # stored once, in the output layer
+    for name, (quant_type, dtype) in described.get("gguf_embeddings", {}).items():
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr,
+                quant.GgufEmbedding(tensors[f"{name}.blocks"], quant_type, getattr(torch, dtype)))
+    if "model.embed_tokens.weight" not in tensors and "model.embed_tokens.blocks" not in tensors:  # in the output layer
         quant.share_tied_embedding(model)
     try:
         model.load_state_dict(tensors, strict=True, assign=True)
