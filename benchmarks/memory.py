@@ -9,8 +9,8 @@ switched to the layout its kernel reads. The process then reports its resident s
 (VmRSS) above what it was before loading, and the distinct tensors the model holds. A
 model should hold each weight once: resident / held near 1 (the rest is the KV cache, the
 tokenizer, and allocator slack). `weights read per step` is what a decoding step streams:
-the int formats keep a float embedding table beside their packed output layer, so they
-hold more than they read.
+the models also hold their embedding, a lookup table kept in the GGUF file's own blocks
+where the output layer has weights of its own, so they hold a little more than they read.
 """
 
 from __future__ import annotations

@@ -251,7 +251,7 @@ class GgufEmbedding(nn.Module):
     """A token embedding kept in the GGUF file's own blocks, dequantised row by row on lookup
     with gguf's decoder: the same floats as the whole table decoded at load, in a fraction
     of the memory (the 1.5B demo model's table: 131 MB of 4-bit blocks against 933 MB of
-    float32). Used by the int formats, whose output layer holds its own packed copy."""
+    float32). Used where the output layer does not read the table (loading.keep_embedding_blocks)."""
 
     def __init__(self, blocks: torch.Tensor, quant_type: int, dtype: torch.dtype):
         super().__init__()

@@ -80,9 +80,11 @@ def _build(config: ModelConfig, state: dict[str, torch.Tensor], path: Path) -> n
 
 
 def keep_embedding_blocks(model: nn.Module, raw) -> None:
-    """In an int format, look tokens up in the GGUF file's own embedding blocks (`raw`, its
-    raw tensor) rather than in a float32 table: the output layer has its own packed copy, so
-    the table would only serve lookups, and decoded it is most of a small model's memory."""
+    """Look tokens up in the GGUF file's own embedding blocks (`raw`, its raw tensor) rather
+    than in a decoded float table, wherever the output layer does not read that table: when
+    the file stores an output layer of its own, or the weight format packs a copy. Then the
+    table serves only lookups, and decoded it is a large part of a model's memory (0.93 GB of
+    the 1.5B demo model's in float32)."""
     from verispec.quant import embedding_from_gguf
 
     backbone = getattr(model, "model", None)
@@ -199,8 +201,7 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
     elif packed:
         from verispec.quant import quantize_model
         quantize_model(model, fmt, gguf_tensors=quantized)
-        if fmt in PACKED_FORMATS:
-            keep_embedding_blocks(model, quantized.get("model.embed_tokens.weight"))
+        keep_embedding_blocks(model, quantized.get("model.embed_tokens.weight"))
         if entry is not None:
             weight_cache.store(entry, model, config, tokenizer, source=path)
     if packed and device.type == "cpu":
