@@ -266,9 +266,9 @@ class GgufEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         from gguf import GGMLQuantizationType, quants
 
-        flat = ids.reshape(-1).cpu().numpy()
-        rows = quants.dequantize(self.blocks.cpu().numpy()[flat], GGMLQuantizationType(self.quant_type))
-        out = torch.from_numpy(rows.reshape(len(flat), -1)).to(self.dtype)
+        picked = self.blocks[ids.reshape(-1).to(self.blocks.device)].cpu()  # only these rows leave a GPU
+        rows = quants.dequantize(picked.numpy(), GGMLQuantizationType(self.quant_type))
+        out = torch.from_numpy(rows.reshape(picked.shape[0], -1)).to(self.dtype)
         return out.reshape(*ids.shape, -1).to(ids.device)
 
 
