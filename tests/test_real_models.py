@@ -87,3 +87,19 @@ def test_streamed_text_is_the_whole_outputs_text_with_real_tokenizers(name):
         text = TextAssembler(tokenizer, ())
         joined = "".join(text.add(i)[0] for i in ids) + text.flush()
         assert joined == text.text == tokenizer.decode(ids), ids
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+def test_embedding_rows_from_the_files_blocks_are_the_decoded_tables(name):
+    """The demo files' token embeddings (Q5_0 and Q4_K) looked up block by block give exactly
+    the rows of the whole table decoded at once."""
+    from verispec.loading import resolve
+    from verispec.loading.gguf_file import dequantize, open_reader
+    from verispec.quant import embedding_from_gguf
+
+    raw = next(t for t in open_reader(resolve(name)).tensors if t.name == "token_embd.weight")
+    table = dequantize(raw)
+    embedding = embedding_from_gguf(raw, torch.float32)
+    ids = torch.randint(0, table.shape[0], (3, 100), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(embedding(ids), table[ids])
+    assert embedding.blocks.numel() * 5 < table.numel() * 4  # a fifth of the float32 table, or less
