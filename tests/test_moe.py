@@ -403,3 +403,27 @@ def test_weight_cache_keeps_the_experts_format(saved, tmp_path, monkeypatch, fmt
     assert all(torch.equal(t, second.model.state_dict()[n]) for n, t in first.model.state_dict().items())
     assert (generate(first, "the cat", max_tokens=10, ignore_eos=True).token_ids
             == generate(second, "the cat", max_tokens=10, ignore_eos=True).token_ids)
+
+
+@pytest.mark.skipif(kernels.cpu_kernels() is None, reason="the CPU kernels could not be built")
+@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral-sliding-window", "qwen2_moe"])
+def test_attention_runs_on_the_kernel_with_the_function_of_pytorchs(saved, case, monkeypatch):
+    """Norms, rotary, cache write and attention in one kernel call (one read of the cache for
+    a whole verification pass), computing what PyTorch's path computes."""
+    from verispec.models.common import Attention
+
+    folder, _ = saved(case)
+    model = load_model(folder, weights="float32").model
+    calls = []
+    kernel_forward = Attention._kernel_forward
+    monkeypatch.setattr(Attention, "_kernel_forward", lambda self, *a: calls.append(1) or kernel_forward(self, *a))
+    with torch.inference_mode():
+        fast = model(IDS, model.new_cache(16))
+        assert len(calls) == model.config.num_hidden_layers
+        kernels.set_enabled(False)
+        try:
+            plain = model(IDS, model.new_cache(16))
+        finally:
+            kernels.set_enabled(True)
+    assert len(calls) == model.config.num_hidden_layers  # not on PyTorch's path
+    assert (plain - fast).abs().max() <= 1e-4 * plain.abs().max()

@@ -195,6 +195,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start: int) -> torch.Tensor:
         batch, length, _ = x.shape
+        kernels = self._kernels(x, cos, cache)
+        if kernels is not None:
+            return self._kernel_forward(kernels, x, cos, sin, cache, start)
         if hasattr(self, "qkv_proj"):
             kv_width = self.num_kv_heads * self.head_dim
             q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
@@ -211,6 +214,37 @@ class Attention(nn.Module):
         keys, values = cache.write(self.layer_index, start, k, v)
         out = attend(q, keys, values, start, self.window)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+    def _kernels(self, x: torch.Tensor, cos: torch.Tensor, cache):
+        """The CPU kernels, where their attention takes this pass (as the dense fast path has
+        it: fused q/k/v, one sequence, a float32 KVCache, full rotary); else None."""
+        from verispec.cache import KVCache
+        from verispec.kernels import cpu_kernels
+        from verispec.quant import KERNEL_MAX_ROWS
+
+        if x.device.type != "cpu" or x.shape[0] != 1 or x.shape[1] > KERNEL_MAX_ROWS:
+            return None
+        if not hasattr(self, "qkv_proj") or type(cache) is not KVCache or cache.k.dtype != torch.float32:
+            return None
+        if self.head_dim % 16 or cos.shape[-1] != self.head_dim or cache.k.shape[1] != 1:
+            return None
+        return cpu_kernels()
+
+    def _kernel_forward(self, kernels, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
+                        start: int) -> torch.Tensor:
+        """Norms, rotary, cache write and attention in one kernel call, which reads each cached
+        key once for every position of the pass and gives each position the bits of a step."""
+        length = x.shape[1]
+        qkv = self.qkv_proj(x).reshape(length, -1).float().contiguous()
+
+        def norm_weight(norm: RMSNorm | None) -> torch.Tensor | None:
+            return None if norm is None else norm.weight.detach().float().contiguous()
+
+        out = kernels.attention(qkv, cache.k[self.layer_index, 0], cache.v[self.layer_index, 0], cos.contiguous(),
+                                sin.contiguous(), start, self.num_heads, self.num_kv_heads, self.window or 0,
+                                norm_weight(self.q_norm), norm_weight(self.k_norm),
+                                self.q_norm.eps if self.q_norm is not None else 1e-6)
+        return self.o_proj(out.view(1, length, -1).to(x.dtype))
 
 
 class SwiGLU(nn.Module):

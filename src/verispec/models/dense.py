@@ -70,7 +70,8 @@ class CausalLM(nn.Module):
         self.ensure_rope(max_len)
         ref = self.table()
         c = self.config
-        dtype = ref.dtype if ref.dtype.is_floating_point else torch.float32
+        # a table kept in packed blocks (quant.GgufEmbedding) says what type its rows come in
+        dtype = ref.dtype if ref.dtype.is_floating_point else getattr(self.model.embed_tokens, "dtype", torch.float32)
         if self.fast_path is not None:
             dtype = torch.float32  # the fast path computes in float32 whatever the weight format
         return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len,
