@@ -427,3 +427,20 @@ def test_attention_runs_on_the_kernel_with_the_function_of_pytorchs(saved, case,
             kernels.set_enabled(True)
     assert len(calls) == model.config.num_hidden_layers  # not on PyTorch's path
     assert (plain - fast).abs().max() <= 1e-4 * plain.abs().max()
+
+
+@pytest.mark.parametrize("fmt,stored", [("int8", torch.int8), ("int4", torch.uint8), ("bfloat16", torch.bfloat16)])
+def test_gguf_experts_are_packed_as_they_are_decoded(saved, tmp_path, fmt, stored):
+    """Loading never holds every expert in float32 (most of an MoE's weights): each stack is
+    packed as it is decoded, and the model gives the same tokens as packing after loading."""
+    from verispec.loading.gguf_file import load_gguf
+
+    _, ref = saved("qwen3_moe")
+    write_moe_gguf(tmp_path / "model.gguf", ref, "qwen3moe")
+    _, state, _, _ = load_gguf(tmp_path / "model.gguf", torch.float32, expert_format=fmt)
+    stacks = {n: t for n, t in state.items() if ".mlp.experts." in n and t.dim() == 3}
+    assert stacks and all(t.dtype == stored for t in stacks.values())
+    loaded = load_model(tmp_path / "model.gguf", weights=fmt)
+    after = load_model(saved("qwen3_moe")[0], weights=fmt)  # the folder: packed after loading
+    assert (generate(loaded, "the cat", max_tokens=10, ignore_eos=True).token_ids
+            == generate(after, "the cat", max_tokens=10, ignore_eos=True).token_ids)

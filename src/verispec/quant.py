@@ -592,7 +592,7 @@ def quantize_model(model: nn.Module, fmt: str, gguf_tensors: dict | None = None)
             if isinstance(child, nn.Linear):
                 setattr(module, name, pack(prefix, name, child))
     for module in model.modules():
-        if hasattr(type(module), "pack"):  # stacked experts: every expert in the same format
+        if hasattr(type(module), "pack") and module.kind == "float":  # stacked experts not packed at loading
             module.pack(fmt)
     if getattr(model, "lm_head", "absent") is None and hasattr(model, "model"):
         embedding = model.model.embed_tokens.weight

@@ -14,6 +14,7 @@ from verispec.errors import CorruptModelError, ModelNotFoundError, VerispecError
 from verispec.loading.demo_models import DEMO_MODELS, is_intact, model_path
 from verispec.loading.tokenizer import Tokenizer
 from verispec.models import build_model, check_supported
+from verispec.models.moe import expect_packed_experts
 from verispec.quant import FORMATS, PACKED_FORMATS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,6 +69,7 @@ def _build(config: ModelConfig, state: dict[str, torch.Tensor], path: Path) -> n
         model = build_model(config)
     if hasattr(model, "sanitize"):
         state = model.sanitize(state)
+    expect_packed_experts(model, state)
     expected = set(model.state_dict().keys())
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -185,7 +187,8 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
         if cached is not None:
             cached, config, tokenizer, mapped = cached
         else:
-            config, state, meta, quantized = load_gguf(path, dtype, keep_quantized=fmt in ("int4", "int4-mixed"))
+            config, state, meta, quantized = load_gguf(path, dtype, keep_quantized=fmt in ("int4", "int4-mixed"),
+                                                       expert_format=fmt if packed else None)
             tokenizer = from_gguf(path, meta)
     else:
         raise CorruptModelError(f"{path}: neither a GGUF file nor a Hugging Face folder")

@@ -188,9 +188,27 @@ def dequantize(tensor) -> torch.Tensor:
     return torch.from_numpy(values).reshape(shape)
 
 
-def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False
+def _packed_experts(name: str, stack: torch.Tensor, fmt: str, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """One decoded expert stack, packed: its stored tensor, and its scales under the names
+    `StackedExperts` gives them."""
+    from verispec.models.moe import StackedExperts, expert_kind, pack_stack
+
+    kind = expert_kind(fmt, config.hidden_size, config.moe_intermediate_size or config.intermediate_size)
+    stored, extra = pack_stack(stack, fmt, kind)
+    del stack
+    packed = {name: stored}
+    if extra is not None:
+        packed[name.removesuffix(".weight") + StackedExperts.EXTRA[kind][0]] = extra
+    return packed
+
+
+def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False, expert_format: str | None = None
               ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
     """Returns (config, state_dict, metadata, quantized) for a GGUF file.
+
+    With `expert_format`, a mixture of experts' stacked experts are packed in that weight
+    format as each is decoded (`models.moe.pack_stack`), so loading never holds all of them
+    in float32: most of an MoE's weights, some 120 GB for a 30B-A3B model.
 
     `quantized` maps a Hugging Face weight name to its raw GGUF tensor (its blocks and its
     stored type): the token embedding's always, and every matrix's whose rows are stored in
@@ -221,6 +239,9 @@ def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False
         if hybrid:
             from verispec.models.qwen3_5 import gguf_tensor_to_hf
             state.update((key, v.to(dtype)) for key, v in gguf_tensor_to_hf(tensor.name, value, config))
+            continue
+        if expert_format and value.dim() == 3 and ".mlp.experts." in name:
+            state.update(_packed_experts(name, value, expert_format, config))
             continue
         if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
             value = unpermute_qk(value, config.num_attention_heads)

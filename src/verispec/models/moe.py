@@ -101,29 +101,15 @@ class StackedExperts(nn.Module):
         return weight
 
     def pack(self, fmt: str) -> None:
-        """Store the experts in weight format `fmt` (see quant.FORMATS), in place. int4 needs
-        every input size to be a multiple of 32 and falls back to int8 for all three otherwise."""
+        """Store the experts in weight format `fmt` (see quant.FORMATS), in place."""
         if self.kind != "float":
             raise ValueError(f"the experts are packed already ({self.kind})")
-        if fmt in FLOAT_DTYPES:
-            for name in PROJECTIONS:
-                setattr(self, name, nn.Parameter(getattr(self, name).detach().to(FLOAT_DTYPES[fmt]),
-                                                 requires_grad=False))
-            return
-        whole_groups = all(getattr(self, name).shape[-1] % GROUP == 0 for name in PROJECTIONS)
-        kind = "int4" if fmt in ("int4", "int4-mixed") and whole_groups else "int8"
-        convert = int8_from_float if kind == "int8" else int4_from_float
+        kind = expert_kind(fmt, *(getattr(self, name).shape[-1] for name in PROJECTIONS))
         for name in PROJECTIONS:
-            weight = getattr(self, name).detach()
-            if weight.is_meta:  # shapes and types only
-                parts = [convert(weight.reshape(-1, weight.shape[-1]))]
-                stored, extra = (t.reshape(weight.shape[0], weight.shape[1], *t.shape[1:]) for t in parts[0])
-            else:  # one expert at a time: the temporaries of one, not of all
-                parts = [convert(expert) for expert in weight]
-                stored, extra = (torch.stack(tensors) for tensors in zip(*parts))
+            stored, extra = pack_stack(getattr(self, name).detach(), fmt, kind)
             setattr(self, name, nn.Parameter(stored, requires_grad=False))
-            self.register_buffer(name + self.EXTRA[kind][0], extra)
-            del weight, parts
+            if extra is not None:
+                self.register_buffer(name + self.EXTRA[kind][0], extra)
         self.kind = kind
 
     def expect(self, kind: str) -> None:
@@ -137,6 +123,36 @@ class StackedExperts(nn.Module):
         """Bytes one expert's three projections hold, scales included."""
         names = [name + suffix for name in PROJECTIONS for suffix in ("", *self.EXTRA[self.kind])]
         return sum(getattr(self, n)[0].numel() * getattr(self, n).element_size() for n in names)
+
+
+def expert_kind(fmt: str, *input_sizes: int) -> str:
+    """How experts are stored in weight format `fmt`: "float", "int8" or "int4" (int4 needs
+    every projection's input size to be a multiple of 32; otherwise all three are int8)."""
+    if fmt in FLOAT_DTYPES:
+        return "float"
+    return "int4" if fmt in ("int4", "int4-mixed") and all(n % GROUP == 0 for n in input_sizes) else "int8"
+
+
+def pack_stack(weight: torch.Tensor, fmt: str, kind: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One projection's expert stack [E, out, in] as `kind` stores it: (stored, extra tensor or None)."""
+    if kind == "float":
+        return weight.to(FLOAT_DTYPES[fmt]), None
+    convert = int8_from_float if kind == "int8" else int4_from_float
+    if weight.is_meta:  # shapes and types only
+        stored, extra = convert(weight.reshape(-1, weight.shape[-1]))
+        return tuple(t.reshape(weight.shape[0], weight.shape[1], *t.shape[1:]) for t in (stored, extra))
+    parts = [convert(expert) for expert in weight]  # one expert at a time: the temporaries of one
+    return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+
+
+def expect_packed_experts(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Before `state` is assigned to `model` (built on the meta device): give each stack of
+    experts the storage `state` holds it in, packed as the weights were decoded."""
+    for name, module in model.named_modules():
+        if isinstance(module, StackedExperts):
+            for kind, suffixes in StackedExperts.EXTRA.items():
+                if suffixes and f"{name}.gate_proj{suffixes[0]}" in state:
+                    module.expect(kind)
 
 
 class SparseMoeBlock(nn.Module):
