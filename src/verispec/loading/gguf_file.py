@@ -195,7 +195,6 @@ def _packed_experts(name: str, stack: torch.Tensor, fmt: str, config: ModelConfi
 
     kind = expert_kind(fmt, config.hidden_size, config.moe_intermediate_size or config.intermediate_size)
     stored, extra = pack_stack(stack, fmt, kind)
-    del stack
     packed = {name: stored}
     if extra is not None:
         packed[name.removesuffix(".weight") + StackedExperts.EXTRA[kind][0]] = extra
