@@ -23,6 +23,8 @@ own time, what a step would cost with the launches taken off the critical path. 
 expert loop reads its routing on the host, which a graph cannot capture.)
 
 Results go to a JSON file after every section, so a run cut short keeps what it measured.
+The GGUF part of the engine check needs the gguf package; without it that part is reported
+as failed and the rest goes on.
 """
 
 from __future__ import annotations
@@ -236,9 +238,9 @@ def _error(exc: BaseException) -> str:
 
 def engine_check(device: torch.device, tokens: int = 24) -> dict:
     """The engine on `device` through its public paths, with tiny checkpoint folders (the
-    tests' own builders): every weight format loads and decodes, a dense model's and an MoE's,
-    and speculative greedy tokens equal plain ones; sampled decoding repeats itself under a
-    seed; the command line runs.
+    tests' own builders): every weight format loads and decodes, a dense model's (from a
+    folder and from a GGUF file) and an MoE's, and speculative greedy tokens equal plain ones;
+    sampled decoding repeats itself under a seed; the command line runs.
     `ok` is whether every check passed; `cpu_agreement` (information only) is how many
     leading float32 greedy tokens the device and the CPU share."""
     sys.path.insert(0, str(REPO / "tests"))
@@ -248,7 +250,7 @@ def engine_check(device: torch.device, tokens: int = 24) -> dict:
     from verispec.loading import load_model
 
     folder = Path(tempfile.mkdtemp(prefix="verispec-gpu-check-"))
-    tiny.save_hf_model(folder / "target", "qwen3", seed=0)
+    reference = tiny.save_hf_model(folder / "target", "qwen3", seed=0)
     tiny.save_hf_model(folder / "draft", "qwen3", seed=0, num_hidden_layers=1)
     test_moe.save_moe_model(folder / "moe", "qwen3_moe", seed=0)
     target_path, draft_path = folder / "target", folder / "draft"
@@ -258,6 +260,11 @@ def engine_check(device: torch.device, tokens: int = 24) -> dict:
     def check(name: str, passed: bool) -> None:
         if not passed:
             report["failures"].append(name)
+
+    try:  # needs the gguf package, which a GPU machine's image may lack
+        tiny.write_gguf(folder / "target.gguf", reference, "qwen3", embedding_type="Q8_0")
+    except Exception as exc:
+        check(f"writing a GGUF file: {_error(exc)}", False)
 
     for fmt in ENGINE_FORMATS:
         try:
@@ -277,6 +284,17 @@ def engine_check(device: torch.device, tokens: int = 24) -> dict:
         except Exception as exc:  # record and go on: one run on a lent device must tell everything
             report["formats"][fmt] = {"error": _error(exc)}
             check(f"{fmt}: {_error(exc)}", False)
+        try:  # a GGUF file, its token embedding looked up in the file's blocks
+            if not (folder / "target.gguf").is_file():
+                raise RuntimeError("no GGUF file was written")
+            from_gguf = load_model(folder / "target.gguf", device=str(device), weights=fmt)
+            report["formats"][fmt]["gguf_equal"] = same = (
+                generate(from_gguf, PROMPT, **run).token_ids
+                == generate(from_gguf, PROMPT, draft="ngram", gamma=4, **run).token_ids)
+            check(f"{fmt}: GGUF with prompt lookup", same)
+        except Exception as exc:
+            report["formats"][fmt]["gguf_error"] = _error(exc)
+            check(f"{fmt} GGUF: {_error(exc)}", False)
         try:  # a mixture of experts, its experts in the same format
             moe = load_model(folder / "moe", device=str(device), weights=fmt)
             plain = generate(moe, PROMPT, **run).token_ids

@@ -737,7 +737,8 @@ def test_gpu_benchmark_runs_on_the_cpu_at_toy_sizes(tmp_path):
     check = results["engine_check"]
     assert check["ok"] and not check["failures"] and check["cli"]["returncode"] == 0
     assert set(check["formats"]) == {"float32", "bfloat16", "float16", "int8", "int4"}
-    assert all(f["draft_equal"] and f["lookup_equal"] and f["moe_lookup_equal"] for f in check["formats"].values())
+    assert all(f["draft_equal"] and f["lookup_equal"] and f["moe_lookup_equal"] and f["gguf_equal"]
+               for f in check["formats"].values())
     assert check["sampled"]["plain_repeats"] and check["sampled"]["draft_repeats"]
     assert set(results["models"]) == {"dense-8b", "moe-30b-a3b"}
     for model in results["models"].values():
