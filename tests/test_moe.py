@@ -329,13 +329,13 @@ def test_greedy_speculation_with_an_unrelated_draft_equals_plain_decoding(saved,
         assert spec.token_ids == plain.token_ids, f"gamma={gamma}"
 
 
-@pytest.mark.skipif(kernels.cpu_kernels() is None, reason="the CPU kernels could not be built")
 @pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "int4"])
 def test_a_verification_pass_gives_every_position_the_bits_of_a_step(tmp_path, family, fmt):
     """Greedy speculative output equals plain output by construction, not by luck at near-ties:
     attention, experts and shared experts round a pass's rows as single steps do. (Sizes are
     multiples of 32, as in real checkpoints: the kernels take those.)"""
+    assert kernels.cpu_kernels() is not None, "bit-identity rests on the CPU kernels (AVX2 or AVX-512)"
     save_moe_model(tmp_path, family, seed=5, **({"shared_expert_intermediate_size": 64}
                                                  if family == "qwen2_moe" else {}))
     model = load_model(tmp_path, weights=fmt).model
@@ -405,11 +405,11 @@ def test_weight_cache_keeps_the_experts_format(saved, tmp_path, monkeypatch, fmt
             == generate(second, "the cat", max_tokens=10, ignore_eos=True).token_ids)
 
 
-@pytest.mark.skipif(kernels.cpu_kernels() is None, reason="the CPU kernels could not be built")
 @pytest.mark.parametrize("case", ["qwen3_moe", "mixtral-sliding-window", "qwen2_moe"])
 def test_attention_runs_on_the_kernel_with_the_function_of_pytorchs(saved, case, monkeypatch):
     """Norms, rotary, cache write and attention in one kernel call (one read of the cache for
     a whole verification pass), computing what PyTorch's path computes."""
+    assert kernels.cpu_kernels() is not None, "the attention kernel needs AVX2 or AVX-512"
     from verispec.models.common import Attention
 
     folder, _ = saved(case)

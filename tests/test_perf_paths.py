@@ -521,14 +521,17 @@ def _random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) ->
     return blocks.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
-def test_gguf_4bit_blocks_repack_without_float32(kind):
+def _random_gguf_tensor(kind: str, rows: int, cols: int, seed: int) -> tuple[_FakeGGUFTensor, torch.Tensor]:
+    """A GGUF tensor of random blocks, and the table gguf's own decoder makes of it."""
     from gguf import quants
 
-    rows, cols = 8, 512
-    data = _random_blocks(kind, rows, cols, np.random.default_rng(0))
-    tensor = _FakeGGUFTensor(kind, rows, cols, data)
-    expected = torch.from_numpy(quants.dequantize(data, tensor.tensor_type)).reshape(rows, cols)
+    tensor = _FakeGGUFTensor(kind, rows, cols, _random_blocks(kind, rows, cols, np.random.default_rng(seed)))
+    return tensor, torch.from_numpy(quants.dequantize(tensor.data, tensor.tensor_type)).reshape(rows, cols)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_gguf_4bit_blocks_repack_without_float32(kind):
+    tensor, expected = _random_gguf_tensor(kind, 8, 512, seed=0)
     ours = int4_to_float(*int4_from_gguf(tensor))
     if kind == "Q4_K":  # scale and offset round to float16: within a thousandth of a step
         assert (ours - expected).abs().max() <= 1e-3 * expected.abs().max()
@@ -538,18 +541,14 @@ def test_gguf_4bit_blocks_repack_without_float32(kind):
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
 def test_an_embedding_in_gguf_blocks_gives_the_rows_of_the_decoded_table(kind):
-    from gguf import quants
-
     from verispec.quant import embedding_from_gguf
 
     rows, cols = 40, 512
-    data = _random_blocks(kind, rows, cols, np.random.default_rng(1))
-    tensor = _FakeGGUFTensor(kind, rows, cols, data)
-    table = torch.from_numpy(quants.dequantize(data, tensor.tensor_type)).reshape(rows, cols)
+    tensor, table = _random_gguf_tensor(kind, rows, cols, seed=1)
     embedding = embedding_from_gguf(tensor, torch.float32)
     ids = torch.tensor([[3, 39, 0, 3], [7, 8, 21, 1]])
     assert torch.equal(embedding(ids), table[ids])
-    assert embedding.blocks.numel() == data.size  # the blocks, nothing decoded
+    assert embedding.blocks.numel() == tensor.data.size  # the blocks, nothing decoded
     assert embedding_from_gguf(_FakeGGUFTensor("F16", rows, cols, np.zeros((rows, cols), np.float16)),
                                torch.float32) is None  # a float table stays a table
 
