@@ -30,15 +30,14 @@ def _decoder_layer(layer: nn.Module, kernels):
     def norm(module: nn.Module) -> torch.Tensor:
         return module.weight.detach().float().contiguous()
 
+    q_norm, k_norm, qk_eps = attn.kernel_norms()
     return kernels.DecoderLayer(
         norm1=norm(layer.input_layernorm), eps1=layer.input_layernorm.eps,
         qkv=attn.qkv_proj.bound_kernel(kernels), out=attn.o_proj.bound_kernel(kernels),
         norm2=norm(layer.post_attention_layernorm), eps2=layer.post_attention_layernorm.eps,
         gate_up=mlp.gate_up_proj.bound_kernel(kernels), down=mlp.down_proj.bound_kernel(kernels),
         index=attn.layer_index, heads=attn.num_heads, kv_heads=attn.num_kv_heads, window=attn.window or 0,
-        q_norm=norm(attn.q_norm) if attn.q_norm is not None else None,
-        k_norm=norm(attn.k_norm) if attn.k_norm is not None else None,
-        qk_eps=attn.q_norm.eps if attn.q_norm is not None else 1e-6)
+        q_norm=q_norm, k_norm=k_norm, qk_eps=qk_eps)
 
 
 def _supported(model: nn.Module) -> bool:

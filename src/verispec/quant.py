@@ -591,8 +591,10 @@ def quantize_model(model: nn.Module, fmt: str, gguf_tensors: dict | None = None)
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, name, pack(prefix, name, child))
+    from verispec.models.moe import StackedExperts
+
     for module in model.modules():
-        if hasattr(type(module), "pack") and module.kind == "float":  # stacked experts not packed at loading
+        if isinstance(module, StackedExperts) and module.kind == "float":  # not packed at loading
             module.pack(fmt)
     if getattr(model, "lm_head", "absent") is None and hasattr(model, "model"):
         embedding = model.model.embed_tokens.weight

@@ -87,6 +87,7 @@ def store(entry: Path, model: nn.Module, config: ModelConfig, tokenizer: Tokeniz
     file again."""
     from safetensors.torch import save_file
 
+    from verispec.models.moe import StackedExperts
     from verispec.quant import GgufEmbedding, PackedLinear
 
     tensors, aliases, owners = {}, {}, {}
@@ -102,7 +103,7 @@ def store(entry: Path, model: nn.Module, config: ModelConfig, tokenizer: Tokeniz
                    if isinstance(module, PackedLinear)},
         "aliases": aliases,
         "expert_kinds": {name: module.kind for name, module in model.named_modules()
-                         if hasattr(type(module), "expect")},
+                         if isinstance(module, StackedExperts)},
         "gguf_embeddings": {name: [module.quant_type, str(module.dtype).removeprefix("torch.")]
                             for name, module in model.named_modules() if isinstance(module, GgufEmbedding)},
         "config": dataclasses.asdict(config),

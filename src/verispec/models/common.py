@@ -10,7 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from verispec.cache import KVCache
 from verispec.config import ModelConfig
+from verispec.kernels import cpu_kernels
+from verispec.quant import KERNEL_MAX_ROWS
 
 
 class RMSNorm(nn.Module):
@@ -218,10 +221,6 @@ class Attention(nn.Module):
     def _kernels(self, x: torch.Tensor, cos: torch.Tensor, cache):
         """The CPU kernels, where their attention takes this pass (as the dense fast path has
         it: fused q/k/v, one sequence, a float32 KVCache, full rotary); else None."""
-        from verispec.cache import KVCache
-        from verispec.kernels import cpu_kernels
-        from verispec.quant import KERNEL_MAX_ROWS
-
         if x.device.type != "cpu" or x.shape[0] != 1 or x.shape[1] > KERNEL_MAX_ROWS:
             return None
         if not hasattr(self, "qkv_proj") or type(cache) is not KVCache or cache.k.dtype != torch.float32:
@@ -236,15 +235,17 @@ class Attention(nn.Module):
         key once for every position of the pass and gives each position the bits of a step."""
         length = x.shape[1]
         qkv = self.qkv_proj(x).reshape(length, -1).float().contiguous()
-
-        def norm_weight(norm: RMSNorm | None) -> torch.Tensor | None:
-            return None if norm is None else norm.weight.detach().float().contiguous()
-
         out = kernels.attention(qkv, cache.k[self.layer_index, 0], cache.v[self.layer_index, 0], cos.contiguous(),
                                 sin.contiguous(), start, self.num_heads, self.num_kv_heads, self.window or 0,
-                                norm_weight(self.q_norm), norm_weight(self.k_norm),
-                                self.q_norm.eps if self.q_norm is not None else 1e-6)
+                                *self.kernel_norms())
         return self.o_proj(out.view(1, length, -1).to(x.dtype))
+
+    def kernel_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+        """(q norm weight, k norm weight, their eps) as the attention kernel takes them."""
+        def weight(norm: RMSNorm | None) -> torch.Tensor | None:
+            return None if norm is None else norm.weight.detach().float().contiguous()
+
+        return weight(self.q_norm), weight(self.k_norm), self.q_norm.eps if self.q_norm is not None else 1e-6
 
 
 class SwiGLU(nn.Module):
