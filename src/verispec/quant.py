@@ -456,8 +456,23 @@ def round_activations(x: torch.Tensor, levels: int = 127) -> torch.Tensor:
     return (q * dx).reshape(x.shape)
 
 
+ROWS_AT_ONCE = 8192  # rows quantised together, so that the float temporaries stay small
+
+
+def _in_row_chunks(convert, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """convert(weight) a few thousand rows at a time, or None where one call will do. Each row
+    is quantised on its own, so the result is the same; the temporaries are not: a whole
+    output layer of 151,936 rows made several of 0.93 GB each."""
+    if weight.dim() != 2 or weight.shape[0] <= ROWS_AT_ONCE:
+        return None
+    parts = [convert(weight[first:first + ROWS_AT_ONCE]) for first in range(0, weight.shape[0], ROWS_AT_ONCE)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
 def int8_from_float(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per output row (the last dimension is the input): (q, float32 scale)."""
+    if (chunked := _in_row_chunks(int8_from_float, weight)) is not None:
+        return chunked
     w = weight.detach().float()
     scale = w.abs().amax(dim=-1).clamp(min=1e-12) / 127.0
     q = torch.round(w / scale[..., None]).clamp(-127, 127).to(torch.int8)
@@ -466,6 +481,8 @@ def int8_from_float(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def int4_from_float(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric 4-bit quantisation per group of 32: s = (max - min)/15, z = min."""
+    if (chunked := _in_row_chunks(int4_from_float, weight)) is not None:
+        return chunked
     w = weight.detach().float()
     rows, cols = w.shape
     if cols % GROUP:
@@ -564,6 +581,31 @@ def _linear_children(module: nn.Module, names: Sequence[str]) -> list[nn.Linear]
     return children if all(isinstance(c, nn.Linear) for c in children) else None
 
 
+def pack_projections(root: nn.Module, fmt: str, gguf_tensors: dict, prefix: str = "") -> None:
+    """Put every projection and expert stack under `root` (named `prefix` in the model) in
+    weight format `fmt`, in place, fusing q/k/v and gate/up; what is packed already stays."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r}; choose from {', '.join(FORMATS)}")
+    from verispec.models.moe import StackedExperts
+
+    def pack(module_prefix: str, name: str, linear: nn.Linear) -> PackedLinear:
+        return pack_linear(linear, fmt, gguf_tensors.get(f"{module_prefix}{name}.weight"))
+
+    for name, module in list(root.named_modules()):
+        module_prefix = prefix + (f"{name}." if name else "")
+        for fused, names in getattr(type(module), "FUSED", {}).items():
+            children = _linear_children(module, names)
+            if children is not None:
+                setattr(module, fused, fuse([pack(module_prefix, n, c) for n, c in zip(names, children)]))
+                for n in names:
+                    delattr(module, n)
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, child_name, pack(module_prefix, child_name, child))
+        if isinstance(module, StackedExperts) and module.kind == "float":  # not packed at loading
+            module.pack(fmt)
+
+
 def quantize_model(model: nn.Module, fmt: str, gguf_tensors: dict | None = None) -> nn.Module:
     """Put every projection of `model` in weight format `fmt`, in place.
 
@@ -573,29 +615,8 @@ def quantize_model(model: nn.Module, fmt: str, gguf_tensors: dict | None = None)
     names to raw GGUF tensors, which int4 repacks directly and "int4-mixed" reads the
     stored precision of (a fused product with any int8 part is int8 throughout).
     """
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown weight format {fmt!r}; choose from {', '.join(FORMATS)}")
     gguf_tensors = gguf_tensors or {}
-
-    def pack(prefix: str, name: str, linear: nn.Linear) -> PackedLinear:
-        return pack_linear(linear, fmt, gguf_tensors.get(f"{prefix}{name}.weight"))
-
-    for prefix, module in list(model.named_modules()):
-        prefix = f"{prefix}." if prefix else ""
-        for fused, names in getattr(type(module), "FUSED", {}).items():
-            children = _linear_children(module, names)
-            if children is not None:
-                setattr(module, fused, fuse([pack(prefix, n, c) for n, c in zip(names, children)]))
-                for n in names:
-                    delattr(module, n)
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, pack(prefix, name, child))
-    from verispec.models.moe import StackedExperts
-
-    for module in model.modules():
-        if isinstance(module, StackedExperts) and module.kind == "float":  # not packed at loading
-            module.pack(fmt)
+    pack_projections(model, fmt, gguf_tensors)
     if getattr(model, "lm_head", "absent") is None and hasattr(model, "model"):
         embedding = model.model.embed_tokens.weight
         head = nn.Linear(embedding.shape[1], embedding.shape[0], bias=False)

@@ -64,21 +64,43 @@ def _is_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def _build(config: ModelConfig, state: dict[str, torch.Tensor], path: Path) -> nn.Module:
+def _build(config: ModelConfig, layers, path: Path, fmt: str | None = None, gguf_tensors: dict | None = None
+           ) -> nn.Module:
+    """The model, from `layers` (state dicts, one decoder layer's after another, then the rest).
+
+    With `fmt`, each decoder layer is packed in that weight format as soon as its weights are
+    in, before the next layer is read: loading then holds one layer in float32 beside the
+    packed ones, not the whole model (a 1.5B model from its GGUF file in int4 peaked at
+    10.4 GB when every layer was decoded first)."""
     with torch.device("meta"):
         model = build_model(config)
-    if hasattr(model, "sanitize"):
-        state = model.sanitize(state)
-    expect_packed_experts(model, state)
-    expected = set(model.state_dict().keys())
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    missing = sorted(expected - set(state))
+    packed: set[int] = set()
+    for state in layers:
+        if hasattr(model, "sanitize"):
+            state = model.sanitize(state)
+        if config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        expect_packed_experts(model, state)
+        model.load_state_dict(state, strict=False, assign=True)
+        del state
+        if fmt is not None:
+            _pack_complete_layers(model, fmt, gguf_tensors or {}, packed)
+    missing = [name for name, tensor in model.state_dict(keep_vars=True).items() if tensor.is_meta]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise CorruptModelError(f"{path}: {len(missing)} weight(s) missing: {shown}")
-    model.load_state_dict({k: state[k] for k in expected}, strict=True, assign=True)
     return model
+
+
+def _pack_complete_layers(model: nn.Module, fmt: str, gguf_tensors: dict, packed: set[int]) -> None:
+    """Pack the decoder layers whose weights are all in and that are not in `packed` yet."""
+    from verispec.quant import pack_projections
+
+    for index, layer in enumerate(model.model.layers):
+        if index in packed or any(t.is_meta for t in [*layer.parameters(), *layer.buffers()]):
+            continue
+        pack_projections(layer, fmt, gguf_tensors, prefix=f"model.layers.{index}.")
+        packed.add(index)
 
 
 def keep_embedding_blocks(model: nn.Module, raw) -> None:
@@ -170,16 +192,16 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
     mapped: set[int] = set()  # storages still in a file's memory map
     cached = entry = None
     if path.is_dir():
-        from verispec.loading.hf_folder import load_state, read_config
+        from verispec.loading.hf_folder import read_config, read_state
         from verispec.loading.tokenizer import from_hf_folder
 
         config, _ = read_config(path)
         check_supported(config)  # before reading gigabytes of weights
-        state, mapped = load_state(path, dtype)
+        layers = read_state(path, dtype, mapped)
         tokenizer = from_hf_folder(path, config.eos_token_ids)
     elif _is_gguf(path):
         from verispec.loading import weight_cache
-        from verispec.loading.gguf_file import load_gguf
+        from verispec.loading.gguf_file import read_gguf
         from verispec.loading.tokenizer import from_gguf
 
         entry = weight_cache.entry_path(path, fmt, dtype) if packed else None
@@ -187,14 +209,19 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
         if cached is not None:
             cached, config, tokenizer, mapped = cached
         else:
-            config, state, meta, quantized = load_gguf(path, dtype, keep_quantized=fmt in ("int4", "int4-mixed"),
-                                                       expert_format=fmt if packed else None)
+            config, layers, meta, quantized = read_gguf(path, dtype, keep_quantized=fmt in ("int4", "int4-mixed"),
+                                                        expert_format=fmt if packed else None,
+                                                        embedding_blocks=packed)
             tokenizer = from_gguf(path, meta)
     else:
         raise CorruptModelError(f"{path}: neither a GGUF file nor a Hugging Face folder")
     if not tokenizer.eos_ids:
         tokenizer.eos_ids = config.eos_token_ids
-    model = cached if cached is not None else _build(config, state, path)
+    if cached is not None:
+        model = cached
+    else:  # on the CPU each layer is packed as it comes in; for CUDA, once moved there
+        pack_now = fmt if packed and device.type == "cpu" else None
+        model = _build(config, layers, path, pack_now, quantized)
     model.to(device)
     model.eval()
     model.requires_grad_(False)
@@ -203,12 +230,14 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
         attach_fast_path(model)
     elif packed:
         from verispec.quant import quantize_model
+        raw_embedding = quantized.get("model.embed_tokens.weight")
+        keep_embedding_blocks(model, raw_embedding)  # where the file has an output layer: before it is packed
         quantize_model(model, fmt, gguf_tensors=quantized)
-        keep_embedding_blocks(model, quantized.get("model.embed_tokens.weight"))
+        keep_embedding_blocks(model, raw_embedding)  # where int formats gave a tied one a copy
         if entry is not None:
             weight_cache.store(entry, model, config, tokenizer, source=path)
     if packed and device.type == "cpu":
-        state = quantized = None  # the decoded tensors: freed before the heap is trimmed
+        quantized = None  # the raw GGUF tensors: released before the heap is trimmed
         settle_in_memory(model, mapped)
     name = str(spec) if str(spec) in DEMO_MODELS else path.name
     return LoadedModel(name, path, model, tokenizer, config, time.perf_counter() - started,

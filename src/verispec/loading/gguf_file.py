@@ -6,8 +6,10 @@ kept as they are (`raw=True`) for the weight formats that read GGUF blocks direc
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -30,6 +32,7 @@ GGUF_ARCHITECTURES = {
     "qwen3next": "qwen3_next",
 }
 HYBRID_FAMILIES = {"qwen3_5", "qwen3_5_moe", "qwen3_next"}
+DEQUANTIZE_ROWS = 4096
 
 # per-block tensor names: GGUF -> Hugging Face
 _BLOCK_NAMES = {
@@ -184,8 +187,14 @@ def dequantize(tensor) -> torch.Tensor:
         if tensor.tensor_type == GGMLQuantizationType.BF16:
             return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16).float().reshape(shape)
         return torch.from_numpy(array.astype(np.float32)).reshape(shape)
-    values = quants.dequantize(tensor.data, tensor.tensor_type)
-    return torch.from_numpy(values).reshape(shape)
+    blocks = np.asarray(tensor.data)
+    rows = blocks.reshape(-1, blocks.shape[-1]) if blocks.ndim > 1 else blocks.reshape(1, -1)
+    out = np.empty((rows.shape[0], math.prod(shape) // rows.shape[0]), dtype=np.float32)
+    # a few thousand rows at a time: gguf's decoder makes several float temporaries the size
+    # of its input, 4 GB or more for a whole output layer of 151,936 rows
+    for first in range(0, rows.shape[0], DEQUANTIZE_ROWS):
+        out[first:first + DEQUANTIZE_ROWS] = quants.dequantize(rows[first:first + DEQUANTIZE_ROWS], tensor.tensor_type)
+    return torch.from_numpy(out).reshape(shape)
 
 
 def _packed_experts(name: str, stack: torch.Tensor, fmt: str, config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -201,17 +210,28 @@ def _packed_experts(name: str, stack: torch.Tensor, fmt: str, config: ModelConfi
     return packed
 
 
-def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False, expert_format: str | None = None
-              ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
-    """Returns (config, state_dict, metadata, quantized) for a GGUF file.
+def read_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False, expert_format: str | None = None,
+              embedding_blocks: bool = False
+              ) -> tuple[ModelConfig, Iterator[dict[str, torch.Tensor]], dict[str, Any], dict[str, Any]]:
+    """Returns (config, layers, metadata, quantized) for a GGUF file.
+
+    `layers` yields the weights one decoder layer at a time, in order, then the rest
+    (embedding, final norm, output layer), each decoded only when it is asked for: a caller
+    that packs each layer before asking for the next holds one layer in float32, never the
+    whole model (a 1.5B model in float32 is 7 GB).
 
     With `expert_format`, a mixture of experts' stacked experts are packed in that weight
-    format as each is decoded (`models.moe.pack_stack`), so loading never holds all of them
-    in float32: most of an MoE's weights, some 120 GB for a 30B-A3B model.
+    format as each is decoded (`models.moe.pack_stack`), so not even one layer's experts are
+    held in float32 for long.
 
     `quantized` maps a Hugging Face weight name to its raw GGUF tensor (its blocks and its
     stored type): the token embedding's always, and every matrix's whose rows are stored in
-    order when keep_quantized is set.
+    order when keep_quantized is set. A layer's entries are there once the layer is yielded.
+
+    With `embedding_blocks`, for a caller that will look tokens up in the embedding's own
+    blocks (`quant.GgufEmbedding`) wherever the file stores an output layer apart, such an
+    embedding is not decoded: its weight is a stand-in of the right shape that holds no
+    memory (it reads as zeros), where decoded it would be 0.93 GB for the 1.5B demo model.
     """
     reader = open_reader(path)
     meta = metadata(reader)
@@ -223,30 +243,79 @@ def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False, expe
         config = config_from_metadata(meta, names, int(embed.shape[1]))
     except CorruptModelError as exc:
         raise CorruptModelError(f"{path}: {exc}") from None
-    state: dict[str, torch.Tensor] = {}
     quantized: dict[str, Any] = {}
-    permute = config.model_type in ("llama", "mistral", "mixtral")  # the 'llama' architecture
-    hybrid = config.model_type in HYBRID_FAMILIES
-    for tensor in reader.tensors:
-        name = hf_name(tensor.name)
-        if name is None and not hybrid:
-            continue
-        try:
-            value = dequantize(tensor)
-        except Exception as exc:
-            raise CorruptModelError(f"{path}: tensor {tensor.name} could not be decoded: {exc}") from None
-        if hybrid:
-            from verispec.models.qwen3_5 import gguf_tensor_to_hf
-            state.update((key, v.to(dtype)) for key, v in gguf_tensor_to_hf(tensor.name, value, config))
-            continue
-        if expert_format and value.dim() == 3 and ".mlp.experts." in name:
-            state.update(_packed_experts(name, value, expert_format, config))
-            continue
-        if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
-            value = unpermute_qk(value, config.num_attention_heads)
-        elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
-            value = unpermute_qk(value, config.num_key_value_heads)
-        elif (keep_quantized and value.dim() == 2) or name == "model.embed_tokens.weight":
-            quantized[name] = tensor  # the embedding's blocks can serve lookups (quant.GgufEmbedding)
-        state[name] = value.to(dtype)
+
+    def decoded(tensors) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = {}
+        for tensor in tensors:
+            if tensor is embed and embedding_blocks and _lookups_from_blocks(embed, config):
+                quantized["model.embed_tokens.weight"] = embed
+                state["model.embed_tokens.weight"] = torch.zeros((), dtype=dtype).expand(
+                    config.vocab_size, config.hidden_size)
+                continue
+            state.update(_decoded_tensor(path, tensor, config, dtype, keep_quantized, expert_format, quantized))
+        return state
+
+    def layers() -> Iterator[dict[str, torch.Tensor]]:
+        for _, tensors in _by_layer(reader.tensors):
+            yield decoded(tensors)
+
+    return config, layers(), meta, quantized
+
+
+def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False, expert_format: str | None = None
+              ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """`read_gguf` with every layer's weights in one state dict."""
+    config, layers, meta, quantized = read_gguf(path, dtype, keep_quantized, expert_format)
+    state: dict[str, torch.Tensor] = {}
+    for layer in layers:
+        state.update(layer)
     return config, state, meta, quantized
+
+
+def _lookups_from_blocks(embed, config: ModelConfig) -> bool:
+    """Whether the embedding serves lookups only (the file has an output layer of its own)
+    and is stored in blocks that `quant.GgufEmbedding` can serve them from."""
+    from gguf import GGMLQuantizationType
+
+    floats = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+    return (not config.tie_word_embeddings and config.model_type not in HYBRID_FAMILIES
+            and embed.tensor_type not in floats)
+
+
+_BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
+
+
+def _by_layer(tensors) -> list[tuple[int | None, list]]:
+    """The file's tensors grouped by decoder layer, in layer order; the others (None) last."""
+    groups: dict[int | None, list] = {}
+    for tensor in tensors:
+        match = _BLOCK_INDEX.match(tensor.name)
+        groups.setdefault(int(match.group(1)) if match else None, []).append(tensor)
+    return sorted(groups.items(), key=lambda item: (item[0] is None, item[0] or 0))
+
+
+def _decoded_tensor(path: Path, tensor, config: ModelConfig, dtype: torch.dtype, keep_quantized: bool,
+                    expert_format: str | None, quantized: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """One GGUF tensor as Hugging Face named tensors (none where verispec has no use for it)."""
+    hybrid = config.model_type in HYBRID_FAMILIES
+    name = hf_name(tensor.name)
+    if name is None and not hybrid:
+        return {}
+    try:
+        value = dequantize(tensor)
+    except Exception as exc:
+        raise CorruptModelError(f"{path}: tensor {tensor.name} could not be decoded: {exc}") from None
+    if hybrid:
+        from verispec.models.qwen3_5 import gguf_tensor_to_hf
+        return {key: v.to(dtype) for key, v in gguf_tensor_to_hf(tensor.name, value, config)}
+    if expert_format and value.dim() == 3 and ".mlp.experts." in name:
+        return _packed_experts(name, value, expert_format, config)
+    permute = config.model_type in ("llama", "mistral", "mixtral")  # the 'llama' architecture
+    if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
+        value = unpermute_qk(value, config.num_attention_heads)
+    elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
+        value = unpermute_qk(value, config.num_key_value_heads)
+    elif (keep_quantized and value.dim() == 2) or name == "model.embed_tokens.weight":
+        quantized[name] = tensor  # the embedding's blocks can serve lookups (quant.GgufEmbedding)
+    return {name: value.to(dtype)}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -45,22 +47,38 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_state(folder: Path, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], set[int]]:
-    """All tensors, memory-mapped by safetensors and cast to dtype only where they differ;
-    and the storages (data pointers) of the tensors that still live in the files' maps."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
-    state: dict[str, torch.Tensor] = {}
-    mapped: set[int] = set()
+
+def read_state(folder: Path, dtype: torch.dtype, mapped: set[int]) -> Iterator[dict[str, torch.Tensor]]:
+    """The folder's tensors one decoder layer at a time, in order, then the rest, each read
+    from its file's memory map only when asked for and cast to dtype only where it differs:
+    a caller that packs each layer before asking for the next never holds the whole model
+    in float32. The storages (data pointers) of tensors yielded still in a map are added
+    to `mapped`."""
+    from safetensors import SafetensorError, safe_open
+
+    located = {}  # name -> (file, its open handle, which keeps the map)
     for file in weight_files(folder):
         try:
-            tensors = load_file(str(file))
+            handle = safe_open(str(file), framework="pt")
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             raise CorruptModelError(f"{file}: corrupt or truncated safetensors file ({exc})") from None
-        for name, value in tensors.items():
+        located.update((name, (file, handle)) for name in handle.keys())
+    groups: dict[int | None, list[str]] = {}
+    for name in located:
+        match = _LAYER_INDEX.search(name)
+        groups.setdefault(int(match.group(1)) if match else None, []).append(name)
+    for _, names in sorted(groups.items(), key=lambda item: (item[0] is None, item[0] or 0)):
+        state: dict[str, torch.Tensor] = {}
+        for name in names:
+            file, handle = located[name]
+            try:
+                value = handle.get_tensor(name)
+            except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+                raise CorruptModelError(f"{file}: corrupt or truncated safetensors file ({exc})") from None
             kept = value.to(dtype) if value.is_floating_point() else value
             if kept is value:
                 mapped.add(value.untyped_storage().data_ptr())
             state[name] = kept
-    return state, mapped
+        yield state

@@ -266,8 +266,8 @@ class HybridCausalLM(ExpertAccounting, CausalLM):
     def sanitize(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Checkpoint names and layouts -> this model's; moves tensors out of `state`."""
         state = _text_weights(state)
-        for i, kind in enumerate(self.kinds):
-            if kind == LINEAR:
+        for i, kind in enumerate(self.kinds):  # `state` may hold some layers only
+            if kind == LINEAR and any(name.startswith(f"model.layers.{i}.linear_attn.") for name in state):
                 _fuse_input_projections(state, f"model.layers.{i}.linear_attn.", self.shape)
         return MoeCausalLM.sanitize(state)
 
