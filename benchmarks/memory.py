@@ -6,7 +6,8 @@
 
 Each model loads in a fresh process and decodes a few tokens, so that every layer has
 switched to the layout its kernel reads. The process then reports its resident set
-(VmRSS) above what it was before loading, and the distinct tensors the model holds. A
+(VmRSS) above what it was before loading, its peak while loading (VmHWM, including the
+pages of the file it read), and the distinct tensors the model holds. A
 model should hold each weight once: resident / held near 1 (the rest is the KV cache, the
 tokenizer, and allocator slack). `weights read per step` is what a decoding step streams:
 the models also hold their embedding, a lookup table kept in the GGUF file's own blocks
@@ -27,13 +28,13 @@ MODELS = ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "smollm2-135m")  # SmolLM2
 FORMATS = ("float32", "bfloat16", "int8", "int4")
 
 
-def resident_bytes() -> int:
-    """This process's resident set (VmRSS), in bytes."""
+def resident_bytes(field: str = "VmRSS") -> int:
+    """This process's resident set (VmRSS), or its peak so far (VmHWM), in bytes."""
     with open("/proc/self/status") as status:
         for line in status:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def measure(model_name: str, fmt: str) -> dict:
@@ -46,11 +47,12 @@ def measure(model_name: str, fmt: str) -> dict:
 
     before = resident_bytes()
     loaded = load_model(model_name, "bfloat16" if fmt == "bfloat16" else "float32", weights=fmt)
+    peak = resident_bytes("VmHWM") - before
     generate(loaded, "def add(a, b):", max_tokens=8, ignore_eos=True)
     model = loaded.model
     held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
             for name, t in list(model.named_parameters()) + list(model.named_buffers()) if "rope" not in name}
-    return {"model": model_name, "format": fmt, "resident": resident_bytes() - before,
+    return {"model": model_name, "format": fmt, "resident": resident_bytes() - before, "peak_loading": peak,
             "held": sum(held.values()), "read_per_step": loaded.weight_bytes(), "torch": torch.__version__}
 
 
@@ -77,7 +79,8 @@ def main() -> int:
                 return 1
             row = json.loads(done.stdout.strip().splitlines()[-1])
             rows.append(row)
-            print(f"  {model_name:>20} {fmt:>8}: resident {row['resident'] / 1e9:5.2f} GB, holds "
+            print(f"  {model_name:>20} {fmt:>8}: peak while loading {row['peak_loading'] / 1e9:5.2f} GB, "
+                  f"resident {row['resident'] / 1e9:5.2f} GB, holds "
                   f"{row['held'] / 1e9:5.2f} GB of tensors (resident / held {row['resident'] / row['held']:.2f}), "
                   f"weights read per step {row['read_per_step'] / 1e9:5.2f} GB")
     save("memory_fresh" if args.fresh else "memory", {"rows": rows})
