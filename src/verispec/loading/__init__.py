@@ -64,17 +64,17 @@ def _is_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def _build(config: ModelConfig, layers, path: Path, fmt: str | None = None, gguf_tensors: dict | None = None
-           ) -> nn.Module:
+def _build(config: ModelConfig, layers, path: Path, device: torch.device, fmt: str | None = None,
+           gguf_tensors: dict | None = None) -> nn.Module:
     """The model, from `layers` (state dicts, one decoder layer's after another, then the rest).
 
-    With `fmt`, each decoder layer is packed in that weight format as soon as its weights are
-    in, before the next layer is read: loading then holds one layer in float32 beside the
-    packed ones, not the whole model (a 1.5B model from its GGUF file in int4 peaked at
-    10.4 GB when every layer was decoded first)."""
+    Each decoder layer goes to `device`, and with `fmt` is packed in that weight format there,
+    as soon as its weights are in, before the next layer is read: loading then holds one
+    layer in float32 on the host, not the whole model (a 1.5B model from its GGUF file in
+    int4 peaked at 10.4 GB when every layer was decoded first)."""
     with torch.device("meta"):
         model = build_model(config)
-    packed: set[int] = set()
+    settled: set[int] = set()
     for state in layers:
         if hasattr(model, "sanitize"):
             state = model.sanitize(state)
@@ -83,8 +83,7 @@ def _build(config: ModelConfig, layers, path: Path, fmt: str | None = None, gguf
         expect_packed_experts(model, state)
         model.load_state_dict(state, strict=False, assign=True)
         del state
-        if fmt is not None:
-            _pack_complete_layers(model, fmt, gguf_tensors or {}, packed)
+        _settle_complete_layers(model, device, fmt, gguf_tensors or {}, settled)
     missing = [name for name, tensor in model.state_dict(keep_vars=True).items() if tensor.is_meta]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -92,15 +91,19 @@ def _build(config: ModelConfig, layers, path: Path, fmt: str | None = None, gguf
     return model
 
 
-def _pack_complete_layers(model: nn.Module, fmt: str, gguf_tensors: dict, packed: set[int]) -> None:
-    """Pack the decoder layers whose weights are all in and that are not in `packed` yet."""
+def _settle_complete_layers(model: nn.Module, device: torch.device, fmt: str | None, gguf_tensors: dict,
+                            settled: set[int]) -> None:
+    """Move each decoder layer whose weights are all in, and that is not in `settled` yet, to
+    `device`, and pack it there in weight format `fmt` if one is given."""
     from verispec.quant import pack_projections
 
     for index, layer in enumerate(model.model.layers):
-        if index in packed or any(t.is_meta for t in [*layer.parameters(), *layer.buffers()]):
+        if index in settled or any(t.is_meta for t in [*layer.parameters(), *layer.buffers()]):
             continue
-        pack_projections(layer, fmt, gguf_tensors, prefix=f"model.layers.{index}.")
-        packed.add(index)
+        layer.to(device)
+        if fmt is not None:
+            pack_projections(layer, fmt, gguf_tensors, prefix=f"model.layers.{index}.")
+        settled.add(index)
 
 
 def keep_embedding_blocks(model: nn.Module, raw) -> None:
@@ -219,9 +222,10 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
         tokenizer.eos_ids = config.eos_token_ids
     if cached is not None:
         model = cached
-    else:  # on the CPU each layer is packed as it comes in; for CUDA, once moved there
-        pack_now = fmt if packed and device.type == "cpu" else None
-        model = _build(config, layers, path, pack_now, quantized)
+    else:
+        model = _build(config, layers, path, device, fmt if packed else None, quantized)
+        if packed:  # where the file has an output layer of its own: its stand-in never moves
+            keep_embedding_blocks(model, quantized.get("model.embed_tokens.weight"))
     model.to(device)
     model.eval()
     model.requires_grad_(False)
@@ -230,10 +234,8 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
         attach_fast_path(model)
     elif packed:
         from verispec.quant import quantize_model
-        raw_embedding = quantized.get("model.embed_tokens.weight")
-        keep_embedding_blocks(model, raw_embedding)  # where the file has an output layer: before it is packed
         quantize_model(model, fmt, gguf_tensors=quantized)
-        keep_embedding_blocks(model, raw_embedding)  # where int formats gave a tied one a copy
+        keep_embedding_blocks(model, quantized.get("model.embed_tokens.weight"))  # int formats copy a tied one
         if entry is not None:
             weight_cache.store(entry, model, config, tokenizer, source=path)
     if packed and device.type == "cpu":
