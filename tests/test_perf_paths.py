@@ -553,6 +553,22 @@ def test_an_embedding_in_gguf_blocks_gives_the_rows_of_the_decoded_table(kind):
                                torch.float32) is None  # a float table stays a table
 
 
+def test_rows_decoded_once_are_kept_up_to_a_limit(monkeypatch):
+    from verispec.quant import GgufEmbedding, embedding_from_gguf
+
+    tensor, table = _random_gguf_tensor("Q4_K", 40, 512, seed=2)
+    embedding = embedding_from_gguf(tensor, torch.float32)
+    monkeypatch.setattr(GgufEmbedding, "CACHED_ROWS", 3)
+    decoded = []
+    real = embedding._decode
+    monkeypatch.setattr(embedding, "_decode", lambda ids: decoded.append(list(ids)) or real(ids))
+    for ids in ([[5, 9, 5]], [[9, 5]], [[7, 30, 5, 30]], [[30]], [[7, 1, 5]]):
+        ids = torch.tensor(ids)
+        assert torch.equal(embedding(ids), table[ids])
+    assert decoded == [[5, 9], [7, 30], [30], [1]]  # 5, 9 and 7 kept; 30 and 1 beyond the limit
+    assert sorted(embedding._rows) == [5, 7, 9]
+
+
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "int4", "int4-mixed"])
 def test_tokens_are_looked_up_in_the_files_embedding_blocks(tmp_path, monkeypatch, fmt):
     from verispec.loading import weight_cache
