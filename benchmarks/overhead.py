@@ -140,6 +140,31 @@ def lookup_times(lengths=(256, 4096), rounds: int = 5, calls: int = 50) -> dict[
     return {name: median(t[1:]) for name, t in times.items()}
 
 
+def embedding_times(rows: int = 8192, hidden: int = 1536, calls: int = 200, rounds: int = 5) -> dict[str, float]:
+    """Median seconds to look one token up in an embedding kept in GGUF Q4_K blocks (the
+    1.5B demo model's width): a token not met before (decoded by gguf) and one met before."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+
+    from verispec.quant import GgufEmbedding
+
+    blocks = np.random.default_rng(0).integers(0, 256, size=(rows, hidden // 256, 144), dtype=np.uint8)
+    blocks[..., :4] = np.full((rows, hidden // 256, 2), 0.01, np.float16).view(np.uint8)  # d and dmin
+    blocks = blocks.reshape(rows, -1)
+    times: dict[str, list[float]] = {}
+    for _ in range(rounds + 1):
+        embedding = GgufEmbedding(torch.from_numpy(blocks), int(GGMLQuantizationType.Q4_K), torch.float32)
+        started = time.perf_counter()
+        for i in range(calls):
+            embedding(torch.tensor([[i]]))
+        times.setdefault("new", []).append((time.perf_counter() - started) / calls)
+        started = time.perf_counter()
+        for i in range(calls):
+            embedding(torch.tensor([[i % 16]]))
+        times.setdefault("seen", []).append((time.perf_counter() - started) / calls)
+    return {name: median(t[1:]) for name, t in times.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -170,8 +195,12 @@ def main() -> int:
     print(f"  prompt lookup per round: {lookup['round@256'] * 1e6:.1f} µs at 256 tokens of context, "
           f"{lookup['round@4096'] * 1e6:.1f} µs at 4,096; scanning the 4,096 tokens back: "
           f"{lookup['scan@4096'] * 1e6:.1f} µs")
+    embedding = embedding_times(calls=50 if args.quick else 200, rounds=2 if args.quick else 5)
+    print(f"  token embedding in GGUF Q4_K blocks, one token: {embedding['new'] * 1e6:.1f} µs not met before, "
+          f"{embedding['seen'] * 1e6:.1f} µs met before ({embedding['new'] / embedding['seen']:.1f}x less)")
     save("overhead" + ("_quick" if args.quick else ""),
-         {"plain_s": plain, "fast_s": fast, "argmax_s": argmax, "text_s": text, "lookup_s": lookup})
+         {"plain_s": plain, "fast_s": fast, "argmax_s": argmax, "text_s": text, "lookup_s": lookup,
+          "embedding_s": embedding})
     return 0 if met else 1
 
 
