@@ -287,11 +287,16 @@ class GgufEmbedding(nn.Module):
         return torch.from_numpy(rows.reshape(len(ids), -1)).to(self.dtype)
 
 
-def embedding_from_gguf(tensor, dtype: torch.dtype) -> GgufEmbedding | None:
-    """The GGUF token embedding `tensor` kept in its blocks, or None if it is stored as floats."""
+def stored_as_floats(tensor) -> bool:
+    """Whether a raw GGUF tensor holds plain floats (F32, F16, BF16) rather than quantised blocks."""
     from gguf import GGMLQuantizationType
 
-    if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+    return tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
+def embedding_from_gguf(tensor, dtype: torch.dtype) -> GgufEmbedding | None:
+    """The GGUF token embedding `tensor` kept in its blocks, or None if it is stored as floats."""
+    if stored_as_floats(tensor):
         return None
     rows = int(tensor.shape[-1])
     blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(rows, -1))  # a copy: not the file's map

@@ -17,6 +17,8 @@ import torch
 
 from verispec.config import ModelConfig
 from verispec.errors import CorruptModelError, UnsupportedArchitectureError
+from verispec.loading.layer_order import in_layer_order
+from verispec.quant import stored_as_floats
 
 # GGUF architecture name -> our family key
 GGUF_ARCHITECTURES = {
@@ -182,7 +184,7 @@ def dequantize(tensor) -> torch.Tensor:
     from gguf import GGMLQuantizationType, quants
 
     shape = tuple(int(d) for d in reversed(tensor.shape))
-    if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+    if stored_as_floats(tensor):
         array = np.asarray(tensor.data)
         if tensor.tensor_type == GGMLQuantizationType.BF16:
             return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16).float().reshape(shape)
@@ -257,7 +259,7 @@ def read_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False, expe
         return state
 
     def layers() -> Iterator[dict[str, torch.Tensor]]:
-        for _, tensors in _by_layer(reader.tensors):
+        for tensors in in_layer_order(reader.tensors, lambda t: _BLOCK_INDEX.match(t.name)):
             yield decoded(tensors)
 
     return config, layers(), meta, quantized
@@ -276,23 +278,11 @@ def load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False, expe
 def _lookups_from_blocks(embed, config: ModelConfig) -> bool:
     """Whether the embedding serves lookups only (the file has an output layer of its own)
     and is stored in blocks that `quant.GgufEmbedding` can serve them from."""
-    from gguf import GGMLQuantizationType
-
-    floats = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
     return (not config.tie_word_embeddings and config.model_type not in HYBRID_FAMILIES
-            and embed.tensor_type not in floats)
+            and not stored_as_floats(embed))
 
 
 _BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
-
-
-def _by_layer(tensors) -> list[tuple[int | None, list]]:
-    """The file's tensors grouped by decoder layer, in layer order; the others (None) last."""
-    groups: dict[int | None, list] = {}
-    for tensor in tensors:
-        match = _BLOCK_INDEX.match(tensor.name)
-        groups.setdefault(int(match.group(1)) if match else None, []).append(tensor)
-    return sorted(groups.items(), key=lambda item: (item[0] is None, item[0] or 0))
 
 
 def _decoded_tensor(path: Path, tensor, config: ModelConfig, dtype: torch.dtype, keep_quantized: bool,

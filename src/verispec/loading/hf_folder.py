@@ -11,6 +11,7 @@ import torch
 
 from verispec.config import ModelConfig
 from verispec.errors import CorruptModelError, VerispecError
+from verispec.loading.layer_order import in_layer_order
 
 
 def read_config(folder: Path) -> tuple[ModelConfig, dict]:
@@ -65,11 +66,7 @@ def read_state(folder: Path, dtype: torch.dtype, mapped: set[int]) -> Iterator[d
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             raise CorruptModelError(f"{file}: corrupt or truncated safetensors file ({exc})") from None
         located.update((name, (file, handle)) for name in handle.keys())
-    groups: dict[int | None, list[str]] = {}
-    for name in located:
-        match = _LAYER_INDEX.search(name)
-        groups.setdefault(int(match.group(1)) if match else None, []).append(name)
-    for _, names in sorted(groups.items(), key=lambda item: (item[0] is None, item[0] or 0)):
+    for names in in_layer_order(located, _LAYER_INDEX.search):
         state: dict[str, torch.Tensor] = {}
         for name in names:
             file, handle = located[name]
