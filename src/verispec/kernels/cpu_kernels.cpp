@@ -777,6 +777,12 @@ __attribute__((noinline)) void panel_tile(const IntegerTile& tile, int64_t group
   const float* residual = tile.residual;
   constexpr int kChains = std::max(1, (R <= 2 ? 4 : (R <= 4 ? 2 : 1)) / S);  // independent int32 sums per row
   constexpr int N = S * R;  // row r of panel j at j * R + r
+  // With an even number of chains, the low nibbles' products go to the even chains and the
+  // high nibbles' to the odd ones. Those may then take each high nibble in place, 16 times
+  // its value, saving a shift per line; their sum is divided by 16 once per group (exactly:
+  // it is a multiple of 16). Fewer instructions per line read a point more of a fast
+  // memory system's bandwidth.
+  constexpr bool kHighInPlace = kChains % 2 == 0;
   const __m512i low = _mm512_set1_epi8(15);
   __m512 acc[N];
   for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_ps();
@@ -796,7 +802,7 @@ __attribute__((noinline)) void panel_tile(const IntegerTile& tile, int64_t group
       for (int j = 0; j < S; ++j) {
         const __m512i v = _mm512_load_si512(reinterpret_cast<const __m512i*>(p[j] + 64 + 64 * t));
         const __m512i lo = _mm512_and_si512(v, low);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        const __m512i hi = kHighInPlace ? _mm512_andnot_si512(low, v) : _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         for (int r = 0; r < R; ++r) {
           const int8_t* xg = xq + r * k + g * kGroup;
           __m512i& a = sum[j * R + r][(2 * t) % kChains];
@@ -810,7 +816,16 @@ __attribute__((noinline)) void panel_tile(const IntegerTile& tile, int64_t group
       const __m512 z = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p[j] + 32)));
       for (int r = 0; r < R; ++r) {
         __m512i total = sum[j * R + r][0];
-        for (int c = 1; c < kChains; ++c) total = _mm512_add_epi32(total, sum[j * R + r][c]);
+        if (kHighInPlace) {
+          __m512i high = sum[j * R + r][1];
+          for (int c = 2; c < kChains; c += 2) {
+            total = _mm512_add_epi32(total, sum[j * R + r][c]);
+            high = _mm512_add_epi32(high, sum[j * R + r][c + 1]);
+          }
+          total = _mm512_add_epi32(total, _mm512_srai_epi32(high, 4));
+        } else {
+          for (int c = 1; c < kChains; ++c) total = _mm512_add_epi32(total, sum[j * R + r][c]);
+        }
         const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(dx[r * groups + g]));
         __m512& out = acc[j * R + r];
         out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), sd, out);
