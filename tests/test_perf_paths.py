@@ -803,3 +803,25 @@ def test_two_copies_of_a_model_file_keep_a_cache_entry_each(tmp_path, monkeypatc
     assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 2
     again = load_model(tmp_path / "a" / "model.gguf", weights="int8")
     assert again.info.get("gguf_metadata_keys", 0) == 0  # still cached: the second copy did not evict it
+
+
+def test_stack_ab_compares_the_kernels_with_a_patch_applied(tmp_path, monkeypatch):
+    """benchmarks/stack_ab.py builds each trial as the current kernel source with a patch
+    applied; a patch that no longer applies is refused with its name, not compared."""
+    import difflib
+    import importlib
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    stack_ab = importlib.import_module("stack_ab")
+    lines = kernels._SOURCE.read_text().splitlines(True)
+    changed = [lines[0].rstrip("\n") + " (patched)\n"] + lines[1:]
+    diff = "".join(difflib.unified_diff(lines, changed, "a/src/verispec/kernels/cpu_kernels.cpp",
+                                        "b/src/verispec/kernels/cpu_kernels.cpp"))
+    (tmp_path / "comment.patch").write_text(diff)
+    source = stack_ab.patched(tmp_path / "comment.patch", tmp_path / "one")
+    assert source.name == "comment.cpp"
+    assert source.read_text().splitlines(True) == changed
+
+    (tmp_path / "stale.patch").write_text(diff.replace(lines[0].rstrip("\n"), "// another first line"))
+    with pytest.raises(SystemExit, match="stale.patch does not apply"):
+        stack_ab.patched(tmp_path / "stale.patch", tmp_path / "two")

@@ -1,0 +1,174 @@
+"""A changed kernel source against the current one, on a real model's decoding steps.
+
+    python benchmarks/stack_ab.py --variant /path/to/changed_cpu_kernels.cpp
+    python benchmarks/stack_ab.py --patch benchmarks/variants/reuse_buffers.patch --rounds 300
+    python benchmarks/stack_ab.py --weights bfloat16 --variant a.cpp --variant b.cpp
+
+Each variant is a whole copy of src/verispec/kernels/cpu_kernels.cpp (--variant), or the
+current one with a patch applied (--patch; benchmarks/variants/ keeps the trials NOTES.md
+describes, each against the source of its day), compiled with the same flags as its own
+module. The model is loaded once; every way gets its own decoder stack and
+output layer bound to the same weight tensors, so the ways differ only in their code. A step
+is the decoder stack and the output layer over one position after a prompt, as the lean
+forward runs it (no sampling).
+
+Rounds take turns (the order rotates), each way timed over a few steps, and each round sits
+between two read-bandwidth measurements. Utilisation is bytes of weights per step over the
+higher of the two. The host's bandwidth moves between a slow and a fast level, and small
+changes show only at the fast one, so the medians are given apart for each (as
+`stream_layout.py` splits them), with each variant's step time as a ratio of the current
+one's in the same rounds.
+
+Every variant's output is first checked to equal the current kernels' bit for bit
+(`--no-check` skips that, for trials that deliberately compute something else).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import verispec  # noqa: F401  (first: it sets how torch's threads wait)
+import torch
+
+from perf_common import machine_load, median, panel_kernels, read_bandwidth, save, warn_if_busy
+from stream_layout import spells
+
+PROMPT = "Write a Python function that merges two sorted lists into one sorted list."
+
+
+def build_variant(source: Path):
+    from torch.utils.cpp_extension import load
+
+    from verispec.kernels import _FLAGS
+
+    digest = hashlib.sha1(source.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:12]
+    return load(name=f"verispec_variant_{digest}", sources=[str(source)], extra_cflags=_FLAGS,
+                extra_ldflags=["-fopenmp"], verbose=False), digest
+
+
+def patched(patch: Path, into: Path) -> Path:
+    """The current kernel source with `patch` (a unified diff of it) applied, as a file in `into`."""
+    from verispec.kernels import _SOURCE
+
+    target = into / patch.stem / "src" / "verispec" / "kernels" / "cpu_kernels.cpp"
+    target.parent.mkdir(parents=True)
+    target.write_bytes(_SOURCE.read_bytes())
+    result = subprocess.run(["git", "apply", str(patch.resolve())], cwd=into / patch.stem, capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"{patch} does not apply to the current kernels: {result.stderr.strip()}")
+    return target.rename(target.with_name(f"{patch.stem}.cpp"))
+
+
+class Way:
+    """One kernel module's decoder stack and output layer over the model's tensors."""
+
+    def __init__(self, kernels, model, cache, prompt_length: int, token: int):
+        from verispec.fast import _decoder_layer
+
+        self.kernels, self.cache, self.start = kernels, cache, prompt_length
+        self.stack = kernels.DecoderStack([_decoder_layer(layer, kernels) for layer in model.model.layers])
+        self.head = model.lm_head.bound_kernel(kernels)
+        self.norm, self.eps = model.model.norm.weight.detach().float(), model.model.norm.eps
+        self.x = model.model.embed_tokens(torch.tensor([token])).float()
+        self.cos = model.rope_cos[prompt_length:prompt_length + 1]
+        self.sin = model.rope_sin[prompt_length:prompt_length + 1]
+
+    def step(self) -> torch.Tensor:
+        """The logits of one position; the cache is written at the same place every time."""
+        x = self.stack.forward(self.x, self.cache.k, self.cache.v, self.cos, self.sin, self.start)
+        return self.head(self.kernels.rms_norm(x.contiguous(), self.norm, self.eps))
+
+    def timed(self, steps: int) -> float:
+        self.step()
+        times = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            self.step()
+            times.append(time.perf_counter() - started)
+        return median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variant", type=Path, action="append", default=[], help="a changed cpu_kernels.cpp")
+    parser.add_argument("--patch", type=Path, action="append", default=[], help="a patch to cpu_kernels.cpp")
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--weights", default="int4", choices=["int4", "int8", "bfloat16", "float32"])
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=5, help="steps per way and round (their median counts)")
+    parser.add_argument("--no-check", action="store_true", help="do not require bit-identical logits")
+    parser.add_argument("--save-as", default="stack_ab", help="results/perf/<name>.json")
+    args = parser.parse_args()
+    if not args.variant and not args.patch:
+        parser.error("give at least one --variant or --patch")
+
+    current = panel_kernels()
+    if current is None:
+        return 1
+    from verispec.loading import load_model
+
+    modules = {"current": current}
+    digests = {}
+    scratch = tempfile.TemporaryDirectory()
+    sources = args.variant + [patched(patch, Path(scratch.name)) for patch in args.patch]
+    for source in sources:
+        modules[source.name], digests[source.name] = build_variant(source)
+    loaded = load_model(args.model, "bfloat16" if args.weights == "bfloat16" else "float32", weights=args.weights)
+    model = loaded.model
+    ids = loaded.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
+    cache = model.new_cache(len(ids) + 2)
+    model(torch.tensor([ids]), cache)
+    ways = {name: Way(kernels, model, cache, cache.length, ids[-1]) for name, kernels in modules.items()}
+    reference = ways["current"].step()
+    for name, way in ways.items():
+        if not args.no_check and not torch.equal(way.step(), reference):
+            print(f"{name}: its logits differ from the current kernels' (use --no-check if that is intended)")
+            return 1
+    nbytes = loaded.weight_bytes()
+    names = list(ways)
+    print(f"{model.config.num_hidden_layers}-layer {args.model} in {args.weights} ({nbytes / 1e9:.2f} GB read per step), "
+          f"{torch.get_num_threads()} threads, {machine_load()}; ways: {', '.join(names)}")
+    warn_if_busy()
+
+    records = []
+    before = read_bandwidth(keep=True)
+    for index in range(args.rounds):
+        order = names[index % len(names):] + names[:index % len(names)]
+        seconds = {name: ways[name].timed(args.steps) for name in order}
+        after = read_bandwidth(keep=True)
+        level = max(before, after)
+        records.append({"bandwidth_before": before, "bandwidth_after": after, "seconds": seconds,
+                        "utilisation": {name: nbytes / s / level for name, s in seconds.items()}})
+        before = after
+    summary = spells(records)
+    for spell, result in summary.items():
+        group = [r for r in records if _in_spell(r, result)]
+        result["time_vs_current"] = {name: median([r["seconds"][name] / r["seconds"]["current"] for r in group])
+                                     for name in names[1:]}
+        low, high = result["bandwidth"]
+        print(f"{spell} spell: {result['rounds']} steady rounds at {low / 1e9:.0f}-{high / 1e9:.0f} GB/s")
+        for name in names:
+            ratio = "" if name == "current" else f", step time {result['time_vs_current'][name]:.4f}x the current"
+            print(f"  {name:>24}: {result['utilisation'][name]:.1%} of the read bandwidth{ratio}")
+    save(args.save_as, {"model": args.model, "weights": args.weights, "weight_bytes": nbytes,
+                        "variants": {name: {"file": str(origin), "sha1": digests[source.name]}
+                                     for name, source, origin in zip(names[1:], sources, args.variant + args.patch)},
+                        "spells": summary, "rounds": records})
+    return 0
+
+
+def _in_spell(record: dict, result: dict) -> bool:
+    """Whether a steady round belongs to the spell whose bandwidth range `result` gives."""
+    level = max(record["bandwidth_before"], record["bandwidth_after"])
+    steady = min(record["bandwidth_before"], record["bandwidth_after"]) >= 0.9 * level
+    low, high = result["bandwidth"]
+    return steady and low <= level <= high
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
