@@ -58,7 +58,11 @@ def patched(patch: Path, into: Path) -> Path:
     target = into / patch.stem / "src" / "verispec" / "kernels" / "cpu_kernels.cpp"
     target.parent.mkdir(parents=True)
     target.write_bytes(_SOURCE.read_bytes())
-    result = subprocess.run(["git", "apply", str(patch.resolve())], cwd=into / patch.stem, capture_output=True, text=True)
+    try:
+        result = subprocess.run(["git", "apply", str(patch.resolve())], cwd=into / patch.stem,
+                                capture_output=True, text=True)
+    except FileNotFoundError:
+        raise SystemExit("applying a patch needs git; give the changed source with --variant instead") from None
     if result.returncode:
         raise SystemExit(f"{patch} does not apply to the current kernels: {result.stderr.strip()}")
     return target.rename(target.with_name(f"{patch.stem}.cpp"))
