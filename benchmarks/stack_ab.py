@@ -7,10 +7,9 @@
 Each variant is a whole copy of src/verispec/kernels/cpu_kernels.cpp (--variant), or the
 current one with a patch applied (--patch; benchmarks/variants/ keeps the trials NOTES.md
 describes, each against the source of its day), compiled with the same flags as its own
-module. The model is loaded once; every way gets its own decoder stack and
-output layer bound to the same weight tensors, so the ways differ only in their code. A step
-is the decoder stack and the output layer over one position after a prompt, as the lean
-forward runs it (no sampling).
+module. The model is loaded once; every way gets its own lean forward (`fast.FastPath`:
+decoder stack and output layer) bound to the same weight tensors, so the ways differ only
+in their code. A step is that forward over one position after a prompt (no sampling).
 
 Rounds take turns (the order rotates), each way timed over a few steps, and each round sits
 between two read-bandwidth measurements. Utilisation is bytes of weights per step over the
@@ -26,7 +25,6 @@ Every variant's output is first checked to equal the current kernels' bit for bi
 from __future__ import annotations
 
 import argparse
-import hashlib
 import subprocess
 import tempfile
 import time
@@ -36,19 +34,16 @@ import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
 
 from perf_common import machine_load, median, panel_kernels, read_bandwidth, save, warn_if_busy
-from stream_layout import spells
+from stream_layout import spell_groups, spells
 
 PROMPT = "Write a Python function that merges two sorted lists into one sorted list."
 
 
 def build_variant(source: Path):
-    from torch.utils.cpp_extension import load
+    from verispec.kernels import compile_source
 
-    from verispec.kernels import _FLAGS
-
-    digest = hashlib.sha1(source.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:12]
-    return load(name=f"verispec_variant_{digest}", sources=[str(source)], extra_cflags=_FLAGS,
-                extra_ldflags=["-fopenmp"], verbose=False), digest
+    module = compile_source(source, prefix="verispec_variant")
+    return module, module.__name__.rsplit("_", 1)[-1]
 
 
 def patched(patch: Path, into: Path) -> Path:
@@ -69,23 +64,18 @@ def patched(patch: Path, into: Path) -> Path:
 
 
 class Way:
-    """One kernel module's decoder stack and output layer over the model's tensors."""
+    """One kernel module's lean forward (`fast.FastPath`) over the model's tensors."""
 
     def __init__(self, kernels, model, cache, prompt_length: int, token: int):
-        from verispec.fast import _decoder_layer
+        from verispec.fast import FastPath
 
-        self.kernels, self.cache, self.start = kernels, cache, prompt_length
-        self.stack = kernels.DecoderStack([_decoder_layer(layer, kernels) for layer in model.model.layers])
-        self.head = model.lm_head.bound_kernel(kernels)
-        self.norm, self.eps = model.model.norm.weight.detach().float(), model.model.norm.eps
-        self.x = model.model.embed_tokens(torch.tensor([token])).float()
-        self.cos = model.rope_cos[prompt_length:prompt_length + 1]
-        self.sin = model.rope_sin[prompt_length:prompt_length + 1]
+        self.forward, self.cache, self.start = FastPath(model, kernels), cache, prompt_length
+        self.token = torch.tensor([[token]])
 
     def step(self) -> torch.Tensor:
         """The logits of one position; the cache is written at the same place every time."""
-        x = self.stack.forward(self.x, self.cache.k, self.cache.v, self.cos, self.sin, self.start)
-        return self.head(self.kernels.rms_norm(x.contiguous(), self.norm, self.eps))
+        self.cache.rollback(self.start)
+        return self.forward(self.token, self.cache, last_only=True)
 
     def timed(self, steps: int) -> float:
         self.step()
@@ -150,8 +140,8 @@ def main() -> int:
                         "utilisation": {name: nbytes / s / level for name, s in seconds.items()}})
         before = after
     summary = spells(records)
-    for spell, result in summary.items():
-        group = [r for r in records if _in_spell(r, result)]
+    for spell, group in spell_groups(records).items():
+        result = summary[spell]
         result["time_vs_current"] = {name: median([r["seconds"][name] / r["seconds"]["current"] for r in group])
                                      for name in names[1:]}
         low, high = result["bandwidth"]
@@ -164,14 +154,6 @@ def main() -> int:
                                      for name, source, origin in zip(names[1:], sources, args.variant + args.patch)},
                         "spells": summary, "rounds": records})
     return 0
-
-
-def _in_spell(record: dict, result: dict) -> bool:
-    """Whether a steady round belongs to the spell whose bandwidth range `result` gives."""
-    level = max(record["bandwidth_before"], record["bandwidth_after"])
-    steady = min(record["bandwidth_before"], record["bandwidth_after"]) >= 0.9 * level
-    low, high = result["bandwidth"]
-    return steady and low <= level <= high
 
 
 if __name__ == "__main__":

@@ -81,19 +81,27 @@ def measure(fmt: str, name: str, rounds: int, steps: int, kernels) -> dict:
     return {"format": fmt, "weight_bytes": nbytes, "rounds": records, "spells": spells(records)}
 
 
-def spells(records: list[dict]) -> dict:
-    """Median utilisation of each way over the steady rounds, apart for the host's fast
+def spell_groups(records: list[dict]) -> dict[str, list[dict]]:
+    """The steady rounds (bandwidth before and after within 10%), apart for the host's fast
     spells (read bandwidth within 80% of the best steady round) and the rest: this host's
     bandwidth moves between two levels, and the streams matter most at the higher one."""
     steady = [r for r in records if min(r["bandwidth_before"], r["bandwidth_after"])
               >= 0.9 * max(r["bandwidth_before"], r["bandwidth_after"])] or records
-    level = {id(r): max(r["bandwidth_before"], r["bandwidth_after"]) for r in steady}
-    best = max(level.values())
-    groups = {"fast": [r for r in steady if level[id(r)] >= 0.8 * best],
-              "slow": [r for r in steady if level[id(r)] < 0.8 * best]}
-    return {name: {"rounds": len(group), "bandwidth": [min(level[id(r)] for r in group), max(level[id(r)] for r in group)],
+    best = max(_level(r) for r in steady)
+    groups = {"fast": [r for r in steady if _level(r) >= 0.8 * best],
+              "slow": [r for r in steady if _level(r) < 0.8 * best]}
+    return {name: group for name, group in groups.items() if group}
+
+
+def spells(records: list[dict]) -> dict:
+    """Median utilisation of each way over each spell's steady rounds (`spell_groups`)."""
+    return {name: {"rounds": len(group), "bandwidth": [min(map(_level, group)), max(map(_level, group))],
                    "utilisation": {way: median([r["utilisation"][way] for r in group]) for way in group[0]["utilisation"]}}
-            for name, group in groups.items() if group}
+            for name, group in spell_groups(records).items()}
+
+
+def _level(record: dict) -> float:
+    return max(record["bandwidth_before"], record["bandwidth_after"])
 
 
 def main() -> int:

@@ -60,8 +60,9 @@ def _supported(model: nn.Module) -> bool:
 class FastPath:
     """`model.fast_path(tokens, cache, last_only)`: logits, or None when this path does not apply."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, kernels=None):
         self.model = model
+        self.kernels = kernels  # a compiled kernel module; None: the engine's own (cpu_kernels)
         self.stack = self.final_norm = None  # bound to the model's tensors on first use
         self.heads: dict[int | None, object] = {}  # the output layer, whole (None) or its first rows
         self.final_eps = model.model.norm.eps
@@ -69,7 +70,7 @@ class FastPath:
 
     def applies(self, tokens: torch.Tensor, cache) -> bool:
         return (tokens.device.type == "cpu" and tokens.shape[0] == 1 and type(cache) is KVCache
-                and cache.k.shape[1] == 1 and cache.k.dtype == torch.float32 and cpu_kernels() is not None)
+                and cache.k.shape[1] == 1 and cache.k.dtype == torch.float32 and (self.kernels or cpu_kernels()) is not None)
 
     def __call__(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False,
                  outputs: int | None = None) -> torch.Tensor | None:
@@ -91,7 +92,7 @@ class FastPath:
 
     def _forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool, head: bool = True,
                  outputs: int | None = None) -> torch.Tensor | None:
-        kernels = cpu_kernels()
+        kernels = self.kernels or cpu_kernels()
         if self.stack is None:
             self.stack = kernels.DecoderStack([_decoder_layer(layer, kernels) for layer in self.model.model.layers])
             self.final_norm = self.model.model.norm.weight.detach().float()

@@ -41,17 +41,23 @@ def _cpu_signature() -> str:
     return platform.processor()
 
 
+def compile_source(source: Path, prefix: str = "verispec_cpu") -> ModuleType:
+    """`source` (this file's kernels, or a changed copy of them) compiled for this processor
+    as its own module, named after what it is built from; raises if it cannot be built."""
+    from torch.utils.cpp_extension import load
+
+    digest = hashlib.sha1(source.read_bytes() + " ".join(_FLAGS).encode()
+                          + _cpu_signature().encode()).hexdigest()[:12]
+    return load(name=f"{prefix}_{digest}", sources=[str(source)], extra_cflags=_FLAGS,
+                extra_ldflags=["-fopenmp"], verbose=False)
+
+
 @functools.cache
 def _build() -> ModuleType | None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        digest = hashlib.sha1(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()
-                              + _cpu_signature().encode()).hexdigest()[:12]
-        return load(name=f"verispec_cpu_{digest}", sources=[str(_SOURCE)], extra_cflags=_FLAGS,
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        return compile_source(_SOURCE)
     except Exception as exc:  # no compiler, no ninja, an old processor: fall back, say why once
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         warnings.warn(f"verispec: fast CPU kernels unavailable, using PyTorch ops ({first_line})",
