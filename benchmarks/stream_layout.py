@@ -84,12 +84,15 @@ def measure(fmt: str, name: str, rounds: int, steps: int, kernels) -> dict:
 def spell_groups(records: list[dict]) -> dict[str, list[dict]]:
     """The steady rounds (bandwidth before and after within 10%), apart for the host's fast
     spells (read bandwidth within 80% of the best steady round) and the rest: this host's
-    bandwidth moves between two levels, and the streams matter most at the higher one."""
+    bandwidth moves between two levels, and the streams matter most at the higher one. A run
+    that stayed at one level, whichever it was, has one group, "single"."""
     steady = [r for r in records if min(r["bandwidth_before"], r["bandwidth_after"])
               >= 0.9 * max(r["bandwidth_before"], r["bandwidth_after"])] or records
     best = max(_level(r) for r in steady)
     groups = {"fast": [r for r in steady if _level(r) >= 0.8 * best],
               "slow": [r for r in steady if _level(r) < 0.8 * best]}
+    if not groups["slow"]:
+        return {"single": groups["fast"]}
     return {name: group for name, group in groups.items() if group}
 
 

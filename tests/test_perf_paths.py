@@ -825,3 +825,23 @@ def test_stack_ab_compares_the_kernels_with_a_patch_applied(tmp_path, monkeypatc
     (tmp_path / "stale.patch").write_text(diff.replace(lines[0].rstrip("\n"), "// another first line"))
     with pytest.raises(SystemExit, match="stale.patch does not apply"):
         stack_ab.patched(tmp_path / "stale.patch", tmp_path / "two")
+
+
+def test_rounds_are_split_by_spell_and_a_run_at_one_level_is_not_called_fast(monkeypatch):
+    """The benchmarks compare ways within the host's fast and slow spells (read bandwidth
+    within 80% of the best steady round, or below). A run that never left one level has a
+    single group, whichever level that was; unsteady rounds are left out."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    stream_layout = importlib.import_module("stream_layout")
+
+    def rounds(*levels):
+        return [{"bandwidth_before": level, "bandwidth_after": level, "utilisation": {"current": 0.9}}
+                for level in levels]
+
+    unsteady = [{"bandwidth_before": 80e9, "bandwidth_after": 40e9, "utilisation": {"current": 0.5}}]
+    groups = stream_layout.spell_groups(rounds(80e9, 78e9, 45e9) + unsteady)
+    assert {name: len(group) for name, group in groups.items()} == {"fast": 2, "slow": 1}
+    assert list(stream_layout.spell_groups(rounds(47e9, 50e9) + unsteady)) == ["single"]
+    assert stream_layout.spells(rounds(47e9, 50e9))["single"]["bandwidth"] == [47e9, 50e9]
