@@ -5,6 +5,7 @@ the weight cache round-trips, and the GPU benchmark runs (on the CPU, at toy siz
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -845,3 +846,25 @@ def test_rounds_are_split_by_spell_and_a_run_at_one_level_is_not_called_fast(mon
     assert {name: len(group) for name, group in groups.items()} == {"fast": 2, "slow": 1}
     assert list(stream_layout.spell_groups(rounds(47e9, 50e9) + unsteady)) == ["single"]
     assert stream_layout.spells(rounds(47e9, 50e9))["single"]["bandwidth"] == [47e9, 50e9]
+
+
+@needs_float_panels
+def test_reading_in_pieces_reads_the_same_bytes_in_place_and_continuous():
+    """`stream_pieces`, the yardstick of benchmarks/stream_starts.py, reads the same whole sum
+    steps (32 floats) in both placements: each piece's streams where the piece lies, or each
+    stream following its part of the piece before. Only what does not fill a step for every
+    stream of every piece is left out."""
+    k = kernels.cpu_kernels()
+    gen = torch.Generator().manual_seed(21)
+    t = torch.randn(1_000_003, generator=gen)
+    streams = 2 * min(torch.get_num_threads(), os.cpu_count() or 1)
+    for pieces in (1, 3, 10):
+        part = t.numel() // 32 // pieces // streams
+        exact = float(t[:pieces * streams * part * 32].double().sum())
+        for continuous in (False, True):
+            assert k.stream_pieces(t, pieces, continuous) == pytest.approx(exact, abs=1e-2)
+    ones = torch.ones(64 * 8 * 32)  # nothing left out: a marker in the last step of all
+    ones[-1] = 1000.0
+    assert k.stream_pieces(ones, 8, True) == k.stream_pieces(ones, 8, False) == ones.numel() + 999.0
+    with pytest.raises(RuntimeError, match="too many pieces"):
+        k.stream_pieces(torch.ones(64), 3)

@@ -65,8 +65,11 @@ class WorkPool {
   }
 
   // body(chunk) for chunk in [0, chunks), on up to at::get_num_threads() threads
+  // how many threads a call to run() can use
+  int64_t threads() const { return std::min<int64_t>(at::get_num_threads(), 1 + helpers_.size()); }
+
   void run(int64_t chunks, const std::function<void(int64_t)>& body) {
-    const int64_t threads = std::min<int64_t>(at::get_num_threads(), 1 + helpers_.size());
+    const int64_t threads = this->threads();
     if (chunks <= 1 || threads <= 1 || busy_.exchange(true)) {  // nested or serial: inline
       for (int64_t i = 0; i < chunks; ++i) body(i);
       return;
@@ -1556,6 +1559,41 @@ double stream_sum(const at::Tensor& t, bool prefetch, int64_t streams) {
   return total;
 }
 
+// Two runs of `steps` sum steps each, read side by side.
+float sum_side_by_side(const float* a, const float* b, int64_t steps) {
+  vfloat x = vzero(), y = vzero();
+  for (int64_t i = 0; i < steps; ++i) {
+    x = vadd(x, vadd(vload(a + i * kSumStep), vload(a + i * kSumStep + kLanes)));
+    y = vadd(y, vadd(vload(b + i * kSumStep), vload(b + i * kSumStep + kLanes)));
+  }
+  return vsum(vadd(x, y));
+}
+
+// Where a step's streams start: a tensor read as `pieces` equal pieces one after another, each
+// as one parallel call in which every thread reads its share as two streams side by side, as a
+// one-row product reads its panels (without stealing). In place, piece i is the tensor's i-th
+// slice, so each piece starts every stream afresh, as each product of a step does. With
+// `continuous`, the tensor is one arena per thread and stream, and each stream's part of piece
+// i follows its part of piece i - 1: the same reads, the same calls, unbroken streams.
+double stream_pieces(const at::Tensor& t, int64_t pieces, bool continuous) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "a contiguous float32 tensor expected");
+  const int64_t threads = WorkPool::instance().threads(), streams = 2 * threads;
+  const int64_t part = t.numel() / kSumStep / std::max<int64_t>(1, pieces) / streams;  // steps per stream and piece
+  TORCH_CHECK(pieces >= 1 && part >= 1, "too many pieces for a tensor of ", t.numel(), " floats");
+  const float* p = t.data_ptr<float>();
+  auto start = [&](int64_t piece, int64_t stream) {  // where a stream's part of a piece begins
+    return p + (continuous ? stream * pieces + piece : piece * streams + stream) * part * kSumStep;
+  };
+  std::vector<double> partial(threads, 0.0);
+  for (int64_t i = 0; i < pieces; ++i)
+    WorkPool::instance().run(threads, [&](int64_t r) {
+      partial[r] += sum_side_by_side(start(i, 2 * r), start(i, 2 * r + 1), part);
+    });
+  double total = 0.0;
+  for (double v : partial) total += v;
+  return total;
+}
+
 
 // ------------------------------------------------------------------ a decoder stack in one call
 //
@@ -1694,5 +1732,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_streams", &panel_streams, "streams each thread reads side by side in few-row products");
   m.def("stream_sum", &stream_sum, "sum of a float32 tensor, read once", py::arg("t"), py::arg("prefetch") = false,
         py::arg("streams") = 1);
+  m.def("stream_pieces", &stream_pieces,
+        "sum of a float32 tensor read as pieces one after another, two streams per thread, each "
+        "piece's streams started afresh or (continuous) following on from the piece before",
+        py::arg("t"), py::arg("pieces"), py::arg("continuous") = false);
   m.attr("lanes") = kLanes;
 }
