@@ -64,10 +64,10 @@ class WorkPool {
     return pool;
   }
 
-  // body(chunk) for chunk in [0, chunks), on up to at::get_num_threads() threads
   // how many threads a call to run() can use
   int64_t threads() const { return std::min<int64_t>(at::get_num_threads(), 1 + helpers_.size()); }
 
+  // body(chunk) for chunk in [0, chunks), on up to threads() threads
   void run(int64_t chunks, const std::function<void(int64_t)>& body) {
     const int64_t threads = this->threads();
     if (chunks <= 1 || threads <= 1 || busy_.exchange(true)) {  // nested or serial: inline
