@@ -82,6 +82,23 @@ def verdict(name: str, figure: str, met: bool | None) -> str:
     return f"[{mark:>7}] {name}: {figure}"
 
 
+def take_turns(timers: dict, rounds: int, nbytes: int) -> list[dict]:
+    """`rounds` rounds in which every timer (name -> seconds of one timing) runs once, the
+    order rotating round by round, each round between two read-bandwidth measurements:
+    per round, each way's seconds and its bytes/s over the higher of the two measurements."""
+    names, records = list(timers), []
+    before = read_bandwidth(keep=True)
+    for index in range(rounds):
+        order = names[index % len(names):] + names[:index % len(names)]
+        seconds = {name: timers[name]() for name in order}
+        after = read_bandwidth(keep=True)
+        level = max(before, after)
+        records.append({"bandwidth_before": before, "bandwidth_after": after, "seconds": seconds,
+                        "utilisation": {name: nbytes / s / level for name, s in seconds.items()}})
+        before = after
+    return records
+
+
 def save(name: str, record: dict, history: dict | None = None) -> Path:
     """Write `record` to results/perf/<name>.json (the latest run). With `history`, also
     append that summary as one line to <name>_history.jsonl, so that runs taken while the

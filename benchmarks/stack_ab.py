@@ -33,8 +33,8 @@ from pathlib import Path
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
 
-from perf_common import machine_load, median, panel_kernels, read_bandwidth, save, warn_if_busy
-from stream_layout import spell_groups, spells
+from perf_common import machine_load, median, panel_kernels, save, take_turns, warn_if_busy
+from stream_layout import spell_groups, spells, time_ratio
 
 PROMPT = "Write a Python function that merges two sorted lists into one sorted list."
 
@@ -129,21 +129,12 @@ def main() -> int:
           f"{torch.get_num_threads()} threads, {machine_load()}; ways: {', '.join(names)}")
     warn_if_busy()
 
-    records = []
-    before = read_bandwidth(keep=True)
-    for index in range(args.rounds):
-        order = names[index % len(names):] + names[:index % len(names)]
-        seconds = {name: ways[name].timed(args.steps) for name in order}
-        after = read_bandwidth(keep=True)
-        level = max(before, after)
-        records.append({"bandwidth_before": before, "bandwidth_after": after, "seconds": seconds,
-                        "utilisation": {name: nbytes / s / level for name, s in seconds.items()}})
-        before = after
+    records = take_turns({name: lambda way=way: way.timed(args.steps) for name, way in ways.items()},
+                         args.rounds, nbytes)
     summary = spells(records)
     for spell, group in spell_groups(records).items():
         result = summary[spell]
-        result["time_vs_current"] = {name: median([r["seconds"][name] / r["seconds"]["current"] for r in group])
-                                     for name in names[1:]}
+        result["time_vs_current"] = {name: time_ratio(group, name, "current") for name in names[1:]}
         low, high = result["bandwidth"]
         print(f"{spell} spell: {result['rounds']} steady rounds at {low / 1e9:.0f}-{high / 1e9:.0f} GB/s")
         for name in names:

@@ -103,6 +103,11 @@ def spells(records: list[dict]) -> dict:
             for name, group in spell_groups(records).items()}
 
 
+def time_ratio(group: list[dict], way: str, against: str) -> float:
+    """Median over a spell's rounds of one way's seconds over another's in the same round."""
+    return median([r["seconds"][way] / r["seconds"][against] for r in group])
+
+
 def _level(record: dict) -> float:
     return max(record["bandwidth_before"], record["bandwidth_after"])
 

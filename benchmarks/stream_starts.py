@@ -22,8 +22,8 @@ import time
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
 
-from perf_common import machine_load, median, read_bandwidth, save, warn_if_busy
-from stream_layout import spell_groups, spells
+from perf_common import machine_load, median, save, take_turns, warn_if_busy
+from stream_layout import spell_groups, spells, time_ratio
 
 
 def way_name(size_mb: float, continuous: bool) -> str:
@@ -43,7 +43,7 @@ def timed(kernels, buffer: torch.Tensor, pieces: int, continuous: bool, repeats:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[2.0, 8.6, 17.2])
-    parser.add_argument("--buffer-mb", type=int, default=512)
+    parser.add_argument("--buffer-mb", type=int, default=512, help="far larger than the last-level cache")
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=3, help="passes per way and round (their median counts)")
     args = parser.parse_args()
@@ -63,16 +63,8 @@ def main() -> int:
     for pieces, continuous in ways.values():
         kernels.stream_pieces(buffer, pieces, continuous)  # warm-up: pages, helper threads
 
-    names, records = list(ways), []
-    before = read_bandwidth(keep=True)
-    for index in range(args.rounds):
-        order = names[index % len(names):] + names[:index % len(names)]
-        seconds = {name: timed(kernels, buffer, *ways[name], args.repeats) for name in order}
-        after = read_bandwidth(keep=True)
-        level = max(before, after)
-        records.append({"bandwidth_before": before, "bandwidth_after": after, "seconds": seconds,
-                        "utilisation": {name: buffer.numel() * 4 / s / level for name, s in seconds.items()}})
-        before = after
+    timers = {name: lambda way=way: timed(kernels, buffer, *way, args.repeats) for name, way in ways.items()}
+    records = take_turns(timers, args.rounds, buffer.numel() * 4)
     summary = spells(records)
     for spell, group in spell_groups(records).items():
         result = summary[spell]
@@ -80,7 +72,7 @@ def main() -> int:
         print(f"{spell} spell: {result['rounds']} steady rounds at {low / 1e9:.0f}-{high / 1e9:.0f} GB/s")
         for size in args.sizes_mb:
             fresh, kept = way_name(size, False), way_name(size, True)
-            ratio = median([r["seconds"][fresh] / r["seconds"][kept] for r in group])
+            ratio = time_ratio(group, fresh, kept)
             result.setdefault("in_place_time_vs_continuous", {})[f"{size:g}"] = ratio
             print(f"  pieces of {size:g} MB: in place {result['utilisation'][fresh]:.1%}, continuous "
                   f"{result['utilisation'][kept]:.1%} of the read bandwidth; in place takes {ratio:.4f}x as long")

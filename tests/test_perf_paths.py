@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -827,6 +828,20 @@ def test_stack_ab_compares_the_kernels_with_a_patch_applied(tmp_path, monkeypatc
     with pytest.raises(SystemExit, match="stale.patch does not apply"):
         stack_ab.patched(tmp_path / "stale.patch", tmp_path / "two")
 
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="applying a patch needs git")
+def test_every_saved_trial_still_applies_to_the_kernels(tmp_path, monkeypatch):
+    """NOTES.md cites the trials in benchmarks/variants/ as rerunnable with stack_ab.py: each
+    must apply to the current kernel source (refresh a patch when the source moves under it)."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    stack_ab = importlib.import_module("stack_ab")
+    patches = sorted((REPO / "benchmarks" / "variants").glob("*.patch"))
+    assert patches
+    for patch in patches:
+        source = stack_ab.patched(patch, tmp_path)
+        assert source.read_text() != kernels._SOURCE.read_text(), patch.name
 
 def test_rounds_are_split_by_spell_and_a_run_at_one_level_is_not_called_fast(monkeypatch):
     """The benchmarks compare ways within the host's fast and slow spells (read bandwidth

@@ -70,7 +70,11 @@ class FastPath:
 
     def applies(self, tokens: torch.Tensor, cache) -> bool:
         return (tokens.device.type == "cpu" and tokens.shape[0] == 1 and type(cache) is KVCache
-                and cache.k.shape[1] == 1 and cache.k.dtype == torch.float32 and (self.kernels or cpu_kernels()) is not None)
+                and cache.k.shape[1] == 1 and cache.k.dtype == torch.float32 and self._kernels() is not None)
+
+    def _kernels(self):
+        """The kernel module this path runs on: its own, or the engine's (None if not built)."""
+        return self.kernels or cpu_kernels()
 
     def __call__(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False,
                  outputs: int | None = None) -> torch.Tensor | None:
@@ -92,7 +96,7 @@ class FastPath:
 
     def _forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool, head: bool = True,
                  outputs: int | None = None) -> torch.Tensor | None:
-        kernels = self.kernels or cpu_kernels()
+        kernels = self._kernels()
         if self.stack is None:
             self.stack = kernels.DecoderStack([_decoder_layer(layer, kernels) for layer in self.model.model.layers])
             self.final_norm = self.model.model.norm.weight.detach().float()

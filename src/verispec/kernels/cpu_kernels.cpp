@@ -1520,28 +1520,38 @@ at::Tensor attention(const at::Tensor& qkv, at::Tensor kcache, at::Tensor vcache
 // measured against it.
 constexpr int64_t kSumStep = 2 * kLanes;  // floats per stream and step: two vectors
 
-// the sum of steps [from, to) of p, read as S consecutive runs side by side
+// the sum of `steps` steps from each of S runs, read side by side, each fetched `ahead` bytes
+// ahead (0: by the hardware alone)
 template <int S>
-float sum_piece(const float* p, int64_t from, int64_t to, int64_t ahead) {
-  const int64_t run = (to - from) / S;
+float sum_runs(const float* const (&runs)[S], int64_t steps, int64_t ahead) {
   vfloat a[S], b[S];
   for (int s = 0; s < S; ++s) a[s] = b[s] = vzero();
-  for (int64_t i = 0; i < run; ++i)
+  for (int64_t i = 0; i < steps; ++i)
     for (int s = 0; s < S; ++s) {
-      const float* q = p + (from + s * run + i) * kSumStep;
+      const float* q = runs[s] + i * kSumStep;
       if (ahead)
         for (int line = 0; line < kSumStep * 4; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(q) + ahead + line, _MM_HINT_T0);
       a[s] = vadd(a[s], vload(q));
       b[s] = vadd(b[s], vload(q + kLanes));
     }
-  for (int64_t i = from + run * S; i < to; ++i) {  // what an uneven split leaves
-    a[0] = vadd(a[0], vload(p + i * kSumStep));
-    b[0] = vadd(b[0], vload(p + i * kSumStep + kLanes));
-  }
   vfloat total = vzero();
   for (int s = 0; s < S; ++s) total = vadd(total, vadd(a[s], b[s]));
   return vsum(total);
+}
+
+// the sum of steps [from, to) of p, read as S consecutive runs side by side
+template <int S>
+float sum_piece(const float* p, int64_t from, int64_t to, int64_t ahead) {
+  const int64_t run = (to - from) / S;
+  vfloat a = vzero(), b = vzero();
+  for (int64_t i = from + run * S; i < to; ++i) {  // what an uneven split leaves
+    a = vadd(a, vload(p + i * kSumStep));
+    b = vadd(b, vload(p + i * kSumStep + kLanes));
+  }
+  const float* runs[S];
+  for (int s = 0; s < S; ++s) runs[s] = p + (from + s * run) * kSumStep;
+  return sum_runs<S>(runs, run, ahead) + vsum(vadd(a, b));
 }
 
 double stream_sum(const at::Tensor& t, bool prefetch, int64_t streams) {
@@ -1557,16 +1567,6 @@ double stream_sum(const at::Tensor& t, bool prefetch, int64_t streams) {
   double total = 0.0;
   for (double v : partial) total += v;
   return total;
-}
-
-// Two runs of `steps` sum steps each, read side by side.
-float sum_side_by_side(const float* a, const float* b, int64_t steps) {
-  vfloat x = vzero(), y = vzero();
-  for (int64_t i = 0; i < steps; ++i) {
-    x = vadd(x, vadd(vload(a + i * kSumStep), vload(a + i * kSumStep + kLanes)));
-    y = vadd(y, vadd(vload(b + i * kSumStep), vload(b + i * kSumStep + kLanes)));
-  }
-  return vsum(vadd(x, y));
 }
 
 // Where a step's streams start: a tensor read as `pieces` equal pieces one after another, each
@@ -1587,7 +1587,8 @@ double stream_pieces(const at::Tensor& t, int64_t pieces, bool continuous) {
   std::vector<double> partial(threads, 0.0);
   for (int64_t i = 0; i < pieces; ++i)
     WorkPool::instance().run(threads, [&](int64_t r) {
-      partial[r] += sum_side_by_side(start(i, 2 * r), start(i, 2 * r + 1), part);
+      const float* runs[2] = {start(i, 2 * r), start(i, 2 * r + 1)};
+      partial[r] += sum_runs<2>(runs, part, 0);
     });
   double total = 0.0;
   for (double v : partial) total += v;
