@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -829,7 +828,6 @@ def test_stack_ab_compares_the_kernels_with_a_patch_applied(tmp_path, monkeypatc
         stack_ab.patched(tmp_path / "stale.patch", tmp_path / "two")
 
 
-@pytest.mark.skipif(shutil.which("git") is None, reason="applying a patch needs git")
 def test_every_saved_trial_still_applies_to_the_kernels(tmp_path, monkeypatch):
     """NOTES.md cites the trials in benchmarks/variants/ as rerunnable with stack_ab.py: each
     must apply to the current kernel source (refresh a patch when the source moves under it)."""
