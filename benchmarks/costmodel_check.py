@@ -45,9 +45,9 @@ import torch
 from verispec.generate import encode_prompt, generate
 from verispec.lab.calibrate import load_average, machine_facts, time_model
 from verispec.lab.costmodel import MeasuredCosts, alpha_from_counts, draft_cost, expected_tokens, predict_speedup
+from verispec.lab.prompts import spec_bench_path
 from verispec.loading import load_model
 
-QUESTIONS = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 TOLERANCE = 0.15
 
 
@@ -101,7 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, default=5, help="coding prompts to run (Spec-Bench has 10)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per calibrated size and burst")
-    parser.add_argument("--questions", type=Path, default=QUESTIONS)
+    parser.add_argument("--questions", type=Path, default=None,
+                        help="a Spec-Bench question.jsonl (default: the copy shipped with verispec)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None, help="write the raw results here as JSON")
     return parser.parse_args(argv)
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"loading {args.target} and {args.draft}", flush=True)
     target = load_model(args.target, weights=args.weights)
     draft = load_model(args.draft, weights=args.draft_weights)
-    prompts = coding_prompts(args.questions, args.limit)
+    prompts = coding_prompts(args.questions or spec_bench_path(), args.limit)
     prompt_lengths = [len(encode_prompt(target.tokenizer, p, chat=True)) for p in prompts]
     context = int(statistics.median(prompt_lengths) + args.max_tokens / 2)  # the average context while decoding
     calibration = Calibration(target, draft, max(args.gammas) + 1, context, args.repeats, prompt_lengths)

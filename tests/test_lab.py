@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,16 @@ def test_spec_bench_missing_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv(SPEC_BENCH_ENV, str(tmp_path / "absent.jsonl"))
     with pytest.raises(VerispecError, match="VERISPEC_SPEC_BENCH points to"):
         load_prompts("spec-bench")
+
+
+def test_spec_bench_ships_with_verispec(monkeypatch):
+    """Without the variable the packaged copy serves, whole: 480 questions in 13 categories."""
+    monkeypatch.delenv(SPEC_BENCH_ENV, raising=False)
+    prompts = load_prompts("spec-bench")
+    assert len(prompts) == 480
+    counts = Counter(p.category for p in prompts)
+    assert len(counts) == 13 and counts["coding"] == 10 and counts["translation"] == 80
+    assert all(p.text.strip() for p in prompts)
 
 
 def test_prompt_files(tmp_path, prompt_file):

@@ -19,7 +19,8 @@ from verispec.errors import VerispecError
 
 SPEC_BENCH = "spec-bench"
 SPEC_BENCH_ENV = "VERISPEC_SPEC_BENCH"
-_SPEC_BENCH_RELATIVE = Path("shared") / "data" / "spec_bench" / "question.jsonl"
+# Spec-Bench's 480 prompts (Apache-2.0; data/spec_bench/SOURCE.md says where they come from)
+SPEC_BENCH_QUESTIONS = Path(__file__).resolve().parents[1] / "data" / "spec_bench" / "question.jsonl"
 
 
 @dataclass(frozen=True)
@@ -30,21 +31,14 @@ class Prompt:
 
 
 def spec_bench_path() -> Path:
-    """Spec-Bench's question.jsonl: $VERISPEC_SPEC_BENCH, else ../shared beside the checkout or the working folder."""
+    """Spec-Bench's question.jsonl: $VERISPEC_SPEC_BENCH if set, else the copy shipped with verispec."""
     env = os.environ.get(SPEC_BENCH_ENV)
-    if env:
-        path = Path(env).expanduser()
-        if not path.is_file():
-            raise VerispecError(f"{SPEC_BENCH_ENV} points to {str(path)!r}, which is not a file")
-        return path
-    checkout = Path(__file__).resolve().parents[3]  # src/verispec/lab/prompts.py -> the repository
-    candidates = [checkout.parent / _SPEC_BENCH_RELATIVE, Path.cwd().resolve().parent / _SPEC_BENCH_RELATIVE]
-    for path in candidates:
-        if path.is_file():
-            return path
-    looked = ", ".join(str(p) for p in dict.fromkeys(candidates))
-    raise VerispecError(f"Spec-Bench's questions were not found (looked in {looked}); "
-                        f"set {SPEC_BENCH_ENV} to the path of its question.jsonl")
+    if not env:
+        return SPEC_BENCH_QUESTIONS
+    path = Path(env).expanduser()
+    if not path.is_file():
+        raise VerispecError(f"{SPEC_BENCH_ENV} points to {str(path)!r}, which is not a file")
+    return path
 
 
 def load_prompts(source: str, limit: int | None = None) -> list[Prompt]:
