@@ -459,6 +459,20 @@ def test_bench_cli(models, prompt_file, tmp_path, capsys, clock):
     assert "Draft length γ" in text and "per run" in text
 
 
+def test_bench_cli_with_a_16_bit_cache_keeps_its_runs_apart(models, prompt_file, tmp_path, capsys, clock):
+    """Runs over a bfloat16 cache say so, and a results file resumed with another cache type
+    runs them again rather than reusing the float32 ones."""
+    out = tmp_path / "bench.jsonl"
+    argv = ["bench", "--model", models / "target", "--draft", "ngram", "--gamma", "2", "--prompts", prompt_file,
+            "--limit", "1", "--max-tokens", "8", "--repeats", "1", "--no-warmup", "--out", out]
+    assert run_cli(capsys, *argv)[0] == 0
+    assert run_cli(capsys, *argv, "--kv-cache", "bfloat16")[0] == 0
+    records = read_records(out)
+    assert [r["kv_cache"] for r in records] == ["float32"] * 2 + ["bfloat16"] * 2
+    assert len({r["key"] for r in records}) == 4
+    assert all(r["audit"]["output"]["status"] == audit.VALID for r in records)
+
+
 def test_demo_end_to_end_on_tiny_models(models, prompt_file, tmp_path, capsys, clock):
     out = tmp_path / "demo.jsonl"
     code, text = run_cli(capsys, "demo", "--model", models / "target", "--draft", models / "same",

@@ -609,6 +609,22 @@ def test_a_verification_pass_gives_every_position_the_bits_of_a_step(tmp_path, f
     assert torch.equal(after_rollback, steps[:, 4:5])
 
 
+@pytest.mark.parametrize("fmt", ["float32", "int8"])
+def test_a_16_bit_kv_cache_leaves_the_states_alone_and_a_pass_bit_identical(tmp_path, fmt):
+    """--kv-cache narrows only the gated attention's keys and values; the delta-net states
+    keep their type, and a verification pass still gives each position the bits of a step."""
+    save_hybrid(tmp_path, hybrid_config("qwen3_5"), seed=6)
+    exact = load_model(tmp_path, weights=fmt).model
+    model = load_model(tmp_path, weights=fmt, kv_cache="bfloat16").model
+    cache, reference = model.new_cache(16), exact.new_cache(16)
+    assert cache.kv.k.dtype == torch.bfloat16 and reference.kv.k.dtype == torch.float32
+    assert [c.dtype for c in cache.conv] == [c.dtype for c in reference.conv]
+    ids = random_ids(12, seed=8)
+    one_pass, steps = tiny.pass_and_steps(model, ids, prefix=4)
+    assert torch.equal(one_pass, steps)
+    assert not torch.equal(steps, tiny.pass_and_steps(exact, ids, prefix=4)[1])  # the rounding is there
+
+
 def test_the_stepwise_delta_rule_covers_every_verification_pass():
     from verispec.generate import MAX_GAMMA
     from verispec.models.common import VERIFY_PASS_MAX

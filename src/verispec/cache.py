@@ -12,6 +12,12 @@ import torch
 
 from verispec.errors import ContextOverflowError, RollbackError
 
+# The types a cache may keep its keys and values in (load_model's kv_cache, `--kv-cache`). The
+# CPU attention kernel reads each of them, and rounds new keys and values to the cache's type
+# as it writes them, before any position attends to them: a verification pass still gives
+# each position the bits a single step gives it.
+CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 class KVCache:
     trimmable = True

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from verispec.cache import KVCache
+from verispec.cache import CACHE_DTYPES, KVCache
 from verispec.errors import ContextOverflowError
 from verispec.kernels import cpu_kernels
 from verispec.quant import KERNEL_MAX_ROWS, PANEL, PackedLinear
@@ -70,7 +70,7 @@ class FastPath:
 
     def applies(self, tokens: torch.Tensor, cache) -> bool:
         return (tokens.device.type == "cpu" and tokens.shape[0] == 1 and type(cache) is KVCache
-                and cache.k.shape[1] == 1 and cache.k.dtype == torch.float32 and self._kernels() is not None)
+                and cache.k.shape[1] == 1 and cache.k.dtype in CACHE_DTYPES.values() and self._kernels() is not None)
 
     def _kernels(self):
         """The kernel module this path runs on: its own, or the engine's (None if not built)."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from verispec.commands.options import (WEIGHT_FORMATS, add_ngram_option, add_slack_option, draft_length,
-                                       non_negative_float, non_negative_int, positive_int)
+from verispec.commands.options import (WEIGHT_FORMATS, add_kv_cache_option, add_ngram_option, add_slack_option,
+                                       draft_length, non_negative_float, non_negative_int, positive_int)
 
 
 def register(sub) -> None:
@@ -31,6 +31,7 @@ def register(sub) -> None:
     parser.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=positive_int, default=None)
+    add_kv_cache_option(parser)
     parser.add_argument("--temperature", "-t", type=non_negative_float, default=0.0,
                         help="0 (default): greedy, so that outputs can be checked token for token")
     parser.add_argument("--seed", type=int, default=0)
@@ -73,8 +74,8 @@ def run(args) -> int:
     writer = RecordWriter(out, fresh=args.restart)  # checks the path now, writes only with the first record
     done = {} if args.restart else runs_by_key(out)
     with console.status(f"loading {args.model}"):
-        target = load_for_bench(args.model, args.weights, args.device)
-        drafts = {p.label: load_for_bench(p.label, args.draft_weights, args.device)
+        target = load_for_bench(args.model, args.weights, args.device, args.kv_cache)
+        drafts = {p.label: load_for_bench(p.label, args.draft_weights, args.device, args.kv_cache)
                   for p in map(parse_proposer, args.draft) if p.kind == "draft"}
     for draft in drafts.values():  # before the first run: a mismatch would stop the bench halfway
         check_tokenizers(target.tokenizer, draft.tokenizer)

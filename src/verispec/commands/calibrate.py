@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from verispec.commands.options import WEIGHT_FORMATS, default_dtype, positive_int
+from verispec.commands.options import WEIGHT_FORMATS, add_kv_cache_option, default_dtype, positive_int
 
 
 def register(sub) -> None:
@@ -17,6 +17,7 @@ def register(sub) -> None:
     parser.add_argument("--buffer-mib", type=positive_int, default=512, help="size of the bandwidth test buffer")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all cores)")
+    add_kv_cache_option(parser)
     parser.add_argument("--out", "-o", default=None, help="save the profile as JSON here")
     parser.set_defaults(func=run)
 
@@ -38,10 +39,11 @@ def run(args) -> int:
     if args.draft and not args.model:
         console.print("[yellow]--draft without --model: timing the draft alone gives no c[/yellow]")
     if args.model:
-        target = load_model(args.model, default_dtype(args.device, args.weights), args.device, args.weights)
+        target = load_model(args.model, default_dtype(args.device, args.weights), args.device, args.weights,
+                            args.kv_cache)
     if args.draft:
         draft = load_model(args.draft, default_dtype(args.device, args.draft_weights), args.device,
-                           args.draft_weights)
+                           args.draft_weights, args.kv_cache)
     profile = calibrate(target, draft, max_m=args.max_m, context=args.context, repeats=args.repeats,
                         buffer_bytes=args.buffer_mib * 2**20, device=args.device,
                         log=lambda msg: console.print(f"[dim]{msg}[/dim]"))

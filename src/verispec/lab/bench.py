@@ -89,12 +89,12 @@ class BenchSettings:
     ngram: tuple[int, int] = (3, 1)
 
 
-def load_for_bench(spec: str, weights: str | None = None, device: str = "cpu"):
+def load_for_bench(spec: str, weights: str | None = None, device: str = "cpu", kv_cache: str | None = None):
     """Load a model in the given weight format (float32 activations unless the format is a float type)."""
     from verispec.loading import load_model
 
     dtype = weights if weights in ("float32", "bfloat16", "float16") else "float32"
-    return load_model(spec, dtype, device, weights)
+    return load_model(spec, dtype, device, weights, kv_cache)
 
 
 def bytes_read_per_pass(target) -> int:
@@ -192,7 +192,10 @@ class Bench:
         self._warm = not settings.warmup
 
     def key(self, prompt_set: str, prompt: Prompt, config: RunConfig, repeat: int) -> str:
-        return run_key(self.label, self.target.weights, prompt_set, prompt.id, config, repeat, self.settings)
+        weights = self.target.weights
+        if self.target.model.cache_dtype is not None:  # a cache type asked for gives other runs
+            weights += f"/kv-{self.target.kv_cache}"
+        return run_key(self.label, weights, prompt_set, prompt.id, config, repeat, self.settings)
 
     def run(self, prompt_set: str, prompts: list[Prompt], configs: list[RunConfig]) -> list[dict]:
         """Run (or reuse) every run of the plan; returns their records in plan order."""
@@ -312,6 +315,7 @@ class Bench:
             "target": self.label,
             "weights": self.target.weights,
             "dtype": str(self.target.dtype).removeprefix("torch."),
+            "kv_cache": self.target.kv_cache,
             "prompt_set": prompt_set,
             "prompt_id": prompt.id,
             "category": prompt.category,

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from verispec.cache import CACHE_DTYPES
 from verispec.config import ModelConfig
 from verispec.errors import CorruptModelError, ModelNotFoundError, VerispecError
 from verispec.loading.demo_models import DEMO_MODELS, is_intact, model_path
@@ -32,6 +33,11 @@ class LoadedModel:
     device: torch.device
     weights: str = "float32"  # weight format
     info: dict = field(default_factory=dict)
+
+    @property
+    def kv_cache(self) -> str:
+        """The type its caches keep keys and values in: "float32", "bfloat16" or "float16"."""
+        return str(self.model.kv_dtype()).removeprefix("torch.")
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decoding step reads (the embedding is a lookup, not a read)."""
@@ -163,13 +169,16 @@ def settle_in_memory(model: nn.Module, mapped: set[int]) -> None:
 
 
 def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
-               weights: str | None = None) -> LoadedModel:
+               weights: str | None = None, kv_cache: str | None = None) -> LoadedModel:
     """Load a demo model name, a GGUF file or a Hugging Face folder.
 
     `weights` picks the weight format (float32, bfloat16, float16, int8, int4, int4-mixed);
-    by default the format follows `dtype`.
+    by default the format follows `dtype`. `kv_cache` picks the type its caches keep keys and
+    values in (float32, bfloat16, float16); by default the activations' type.
     """
     started = time.perf_counter()
+    if kv_cache is not None and kv_cache not in CACHE_DTYPES:
+        raise VerispecError(f"unknown KV cache type {kv_cache!r}; choose from {', '.join(CACHE_DTYPES)}")
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise VerispecError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
@@ -241,6 +250,8 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
     if packed and device.type == "cpu":
         quantized = None  # the raw GGUF tensors: released before the heap is trimmed
         settle_in_memory(model, mapped)
+    if kv_cache is not None:
+        model.cache_dtype = CACHE_DTYPES[kv_cache]
     name = str(spec) if str(spec) in DEMO_MODELS else path.name
     return LoadedModel(name, path, model, tokenizer, config, time.perf_counter() - started,
                        dtype, device, fmt, {"gguf_metadata_keys": len(meta)})

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from verispec.cache import KVCache
+from verispec.cache import CACHE_DTYPES, KVCache
 from verispec.config import ModelConfig
 from verispec.kernels import cpu_kernels
 from verispec.quant import KERNEL_MAX_ROWS
@@ -155,6 +155,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
     several queries differently from a single query, and a verification pass must give each
     position the logits a plain step gives it, bit for bit.
     """
+    if keys.dtype != q.dtype:  # a cache kept in a narrower type than the activations
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
     length = q.shape[2]
     if q.device.type == "cpu" and 1 < length <= VERIFY_PASS_MAX:
         return torch.cat([attend(q[:, :, i:i + 1], keys[:, :, :start + i + 1], values[:, :, :start + i + 1],
@@ -220,10 +222,10 @@ class Attention(nn.Module):
 
     def _kernels(self, x: torch.Tensor, cos: torch.Tensor, cache):
         """The CPU kernels, where their attention takes this pass (as the dense fast path has
-        it: fused q/k/v, one sequence, a float32 KVCache, full rotary); else None."""
+        it: fused q/k/v, one sequence, a KVCache of a float type, full rotary); else None."""
         if x.device.type != "cpu" or x.shape[0] != 1 or x.shape[1] > KERNEL_MAX_ROWS:
             return None
-        if not hasattr(self, "qkv_proj") or type(cache) is not KVCache or cache.k.dtype != torch.float32:
+        if not hasattr(self, "qkv_proj") or type(cache) is not KVCache or cache.k.dtype not in CACHE_DTYPES.values():
             return None
         if self.head_dim % 16 or cos.shape[-1] != self.head_dim or cache.k.shape[1] != 1:
             return None

@@ -58,6 +58,9 @@ class CausalLM(nn.Module):
         self._rope_len = 0
         self.rope_cos = self.rope_sin = None
         self.fast_path = None  # verispec.fast attaches a lean forward for packed weights
+        # the type of the keys and values a new cache keeps (None: the activations' type);
+        # load_model's kv_cache sets it
+        self.cache_dtype: torch.dtype | None = None
 
     def table(self) -> torch.Tensor:
         """The tensor the embedding table lives in, for its type and device (a tied float
@@ -68,14 +71,19 @@ class CausalLM(nn.Module):
     # -- cache
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         self.ensure_rope(max_len)
-        ref = self.table()
         c = self.config
-        # a table kept in packed blocks (quant.GgufEmbedding) says what type its rows come in
-        dtype = ref.dtype if ref.dtype.is_floating_point else getattr(self.model.embed_tokens, "dtype", torch.float32)
-        if self.fast_path is not None:
-            dtype = torch.float32  # the fast path computes in float32 whatever the weight format
         return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len,
-                       batch, dtype, ref.device)
+                       batch, self.kv_dtype(), self.table().device)
+
+    def kv_dtype(self) -> torch.dtype:
+        """The type a new cache keeps keys and values in: cache_dtype, else the activations' type."""
+        if self.cache_dtype is not None:
+            return self.cache_dtype
+        if self.fast_path is not None:
+            return torch.float32  # the fast path computes in float32 whatever the weight format
+        ref = self.table()
+        # a table kept in packed blocks (quant.GgufEmbedding) says what type its rows come in
+        return ref.dtype if ref.dtype.is_floating_point else getattr(self.model.embed_tokens, "dtype", torch.float32)
 
     def ensure_rope(self, max_len: int) -> None:
         device = self.table().device

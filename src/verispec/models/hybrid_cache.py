@@ -204,8 +204,10 @@ class HybridCache:
 
     def __init__(self, attention_layers: int, kv_heads: int, head_dim: int, linear_layers: int,
                  shape: DeltaNetShape, max_len: int, batch: int = 1, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", replay_window: int = REPLAY_WINDOW):
-        self.kv = KVCache(attention_layers, kv_heads, head_dim, max_len, batch, dtype, device)
+                 device: torch.device | str = "cpu", replay_window: int = REPLAY_WINDOW,
+                 kv_dtype: torch.dtype | None = None):
+        # the attention layers' keys and values may be kept in another type than the states
+        self.kv = KVCache(attention_layers, kv_heads, head_dim, max_len, batch, kv_dtype or dtype, device)
         self.shape = shape
         self.max_len = max_len
         self.length = 0

@@ -245,11 +245,18 @@ class HybridCausalLM(ExpertAccounting, CausalLM):
     # -- cache
     def new_cache(self, max_len: int, batch: int = 1) -> HybridCache:
         self.ensure_rope(max_len)
-        ref = self.table()
-        dtype = ref.dtype if ref.dtype.is_floating_point else torch.float32
         c = self.config
         return HybridCache(self.kinds.count(FULL), c.num_key_value_heads, c.head_dim, self.kinds.count(LINEAR),
-                           self.shape, max_len, batch, dtype, ref.device)
+                           self.shape, max_len, batch, self._state_dtype(), self.table().device,
+                           kv_dtype=self.kv_dtype())
+
+    def _state_dtype(self) -> torch.dtype:
+        """The recurrent and convolution states' type: the activations'."""
+        ref = self.table()
+        return ref.dtype if ref.dtype.is_floating_point else torch.float32
+
+    def kv_dtype(self) -> torch.dtype:
+        return self.cache_dtype or self._state_dtype()
 
     def forward(self, tokens: torch.Tensor, cache: HybridCache, last_only: bool = False,
                 outputs: int | None = None) -> torch.Tensor:

@@ -191,7 +191,8 @@ def create_app(target, draft=None, gamma: int = 4, adaptive: bool | str = False,
         card = {"id": engine.name, "object": "model", "created": engine.created, "owned_by": "verispec",
                 "max_model_len": engine.context_size,
                 "verispec": {"draft": engine.draft_name, "gamma": engine.gamma, "adaptive": engine.adaptive,
-                             "weights": getattr(target, "weights", None)}}
+                             "weights": getattr(target, "weights", None),
+                             "kv_cache": getattr(target, "kv_cache", None)}}
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
