@@ -122,3 +122,17 @@ def test_the_command_line_takes_a_cache_type(folder, capsys, monkeypatch):
         main([*args, "--kv-cache", "int8", PROMPT])
     assert exit_info.value.code == 2 and "--kv-cache" in capsys.readouterr().err
 
+
+def test_the_benchmark_times_every_cache_type_at_a_fixed_context(folder, monkeypatch):
+    """benchmarks/kv_cache.py fills a cache of each type to the context asked for and rolls
+    each timed pass back, so that every timing sees the same context."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import kv_cache
+
+    model = load_model(folder, weights="int8").model
+    for name in kv_cache.CACHE_TYPES:
+        cache = kv_cache.filled_cache(model, CACHE_DTYPES[name], context=40, extra=5)
+        assert cache.k.dtype == CACHE_DTYPES[name] and cache.length == 40 and cache.k[:, :, :, :40].abs().sum() > 0
+        assert kv_cache.step_timer(model, cache, 40, 5, repeats=2)() > 0 and cache.length == 40
