@@ -15,7 +15,7 @@ says nothing about either level; all runs count if none is steady). The best ban
 seen in the whole run, and each format's share of it, are printed too. r(m) comes from
 forward passes over m positions on the same cache, the sizes interleaved round by round so
 that a change in machine load hits them all alike. Each run's summary is appended to
-results/perf/decode_bandwidth_history.jsonl.
+results/perf/<host>/decode_bandwidth_history.jsonl.
 """
 
 from __future__ import annotations

@@ -13,7 +13,30 @@ import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results" / "perf"
+
+
+def processor() -> dict:
+    """What /proc/cpuinfo says of this processor: vendor, family, model and its name."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return {"vendor": fields.get("vendor_id", "unknown"), "family": fields.get("cpu family", "?"),
+            "model": fields.get("model", "?"), "name": fields.get("model name", "unknown")}
+
+
+def host_tag() -> str:
+    """A short name for this kind of processor (amd-25-17: AMD family 25 model 17, a Zen 4 EPYC),
+    under which its results are kept apart from other hosts'."""
+    cpu = processor()
+    vendor = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(cpu["vendor"], cpu["vendor"].lower())
+    return f"{vendor}-{cpu['family']}-{cpu['model']}"
+
+
+RESULTS = HERE / "results" / "perf" / host_tag()
 
 
 def machine_load() -> str:
@@ -100,12 +123,13 @@ def take_turns(timers: dict, rounds: int, nbytes: int) -> list[dict]:
 
 
 def save(name: str, record: dict, history: dict | None = None) -> Path:
-    """Write `record` to results/perf/<name>.json (the latest run). With `history`, also
-    append that summary as one line to <name>_history.jsonl, so that runs taken while the
-    machine behaved differently are all kept."""
+    """Write `record` to results/perf/<host>/<name>.json (the latest run on this kind of
+    processor). With `history`, also append that summary as one line to <name>_history.jsonl,
+    so that runs taken while the machine behaved differently are all kept."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    stamp = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "load": machine_load(), "threads": torch.get_num_threads()}
+    stamp = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "load": machine_load(), "threads": torch.get_num_threads(),
+             "cpu": processor()["name"]}
     path.write_text(json.dumps({**stamp, **record}, indent=2))
     if history is not None:
         with (RESULTS / f"{name}_history.jsonl").open("a") as log:

@@ -96,7 +96,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--steps", type=int, default=5, help="steps per way and round (their median counts)")
     parser.add_argument("--no-check", action="store_true", help="do not require bit-identical logits")
-    parser.add_argument("--save-as", default="stack_ab", help="results/perf/<name>.json")
+    parser.add_argument("--save-as", default="stack_ab", help="results/perf/<host>/<name>.json")
     args = parser.parse_args()
     if not args.variant and not args.patch:
         parser.error("give at least one --variant or --patch")
