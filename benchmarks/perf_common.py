@@ -53,11 +53,16 @@ def warn_if_busy() -> None:
 _BUFFERS: dict[int, torch.Tensor] = {}
 
 
+# Distances (bytes) at which the reference sums also fetch in software: a short one suits some
+# processors' memory systems better than the weight kernels' default (Intel's: NOTES.md).
+SHORT_PREFETCH = (512, 1536)
+
+
 def read_bandwidth(gib: float = 1.0, repeats: int = 5, keep: bool = False) -> float:
     """The machine's read bandwidth in bytes/s: the best of torch.sum and the kernels'
     own streaming sum (plain, fetching ahead, and two streams per thread, as the weight
-    kernels read) over a buffer far larger than the caches. `keep` holds on to the buffer
-    for the next call."""
+    kernels read, each also fetched a short way ahead) over a buffer far larger than the
+    caches. `keep` holds on to the buffer for the next call."""
     from verispec.kernels import cpu_kernels
 
     size = int(gib * (1 << 30)) // 4
@@ -69,6 +74,8 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5, keep: bool = False) -> fl
     if kernels:
         readers += [lambda: kernels.stream_sum(buffer), lambda: kernels.stream_sum(buffer, True),
                     lambda: kernels.stream_sum(buffer, False, 2)]
+        readers += [lambda s=streams, a=ahead: kernels.stream_sum(buffer, True, s, a)
+                    for streams in (1, 2) for ahead in SHORT_PREFETCH]
     best = 0.0
     for read in readers:
         read()

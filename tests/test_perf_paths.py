@@ -375,23 +375,29 @@ def test_one_row_products_read_by_region_give_the_rows_of_a_longer_pass():
                 *[lambda x, r, p=p: k.linear_float_panels(x, p, None, r) for p in floats.values()],
                 lambda x, r: k.linear_float_panels(x, floats[torch.bfloat16], int8.bias, r)]
     x, residual = _rows(256, seed=16, count=3), torch.randn(3, n, generator=gen)
-    default = k.panel_streams()
+    default, default_ahead = k.panel_streams(), k.pair_prefetch()
     try:
-        for streams in (1, 2):
+        for streams, ahead in ((1, 0), (2, 0), (2, 64), (2, 1536), (2, 1 << 20)):  # the last fetches far past the end
             k.set_panel_streams(streams)
+            k.set_pair_prefetch(ahead)
             for product in products:
                 rows = product(x, residual)
                 assert all(torch.equal(product(x[i:i + 1], residual[i:i + 1]), rows[i:i + 1]) for i in range(3))
         with pytest.raises(RuntimeError, match="1 or 2 streams"):
             k.set_panel_streams(3)
+        with pytest.raises(RuntimeError, match="multiple of 64"):
+            k.set_pair_prefetch(100)
     finally:
         k.set_panel_streams(default)
-    assert default == 2
+        k.set_pair_prefetch(default_ahead)
+    assert default == 2 and default_ahead in (0, 1536)
     # the bandwidth reference reads the same ways, and is a sum every way
     t = torch.randn(1_000_003, generator=gen)
     exact = float(t[:t.numel() // 32 * 32].double().sum())
-    for prefetch, streams in ((False, 1), (True, 1), (False, 2)):
-        assert k.stream_sum(t, prefetch, streams) == pytest.approx(exact, abs=1e-2)
+    for prefetch, streams, ahead in ((False, 1, -1), (True, 1, -1), (False, 2, -1), (True, 2, 512), (True, 1, 1536)):
+        assert k.stream_sum(t, prefetch, streams, ahead) == pytest.approx(exact, abs=1e-2)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        k.stream_sum(t, True, 2, 100)
 
 
 @needs_int8_panels

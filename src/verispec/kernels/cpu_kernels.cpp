@@ -171,6 +171,28 @@ void set_stream_prefetch(int64_t bytes) {
   g_stream_prefetch.store(bytes, std::memory_order_relaxed);
 }
 
+// How far ahead each of a one-row product's two streams per thread is fetched in software,
+// unless `set_pair_prefetch` changes it: on Intel processors 1.5 KB, elsewhere 0 (the
+// hardware prefetcher alone). On the Intel Xeon these kernels were measured on, the hardware
+// alone kept one-row products at 76-85% of the read bandwidth and 1.5 KB ahead raised them
+// to 88-95%, every format alike; on an AMD EPYC (Zen 4), fetching two streams in software
+// read less than the hardware alone (benchmarks/pair_prefetch.py compares distances).
+int64_t default_pair_prefetch() {
+  __builtin_cpu_init();  // this runs among the static initialisers
+  return __builtin_cpu_is("intel") ? 1536 : 0;
+}
+std::atomic<int64_t> g_pair_prefetch{default_pair_prefetch()};
+inline int64_t pair_prefetch() { return g_pair_prefetch.load(std::memory_order_relaxed); }
+void set_pair_prefetch(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0 && bytes % 64 == 0, "the prefetch distance must be a multiple of 64 bytes, not ", bytes);
+  g_pair_prefetch.store(bytes, std::memory_order_relaxed);
+}
+
+// Fetches `lines` cache lines from p + ahead on (a prefetch never faults, even past the end).
+inline void fetch_ahead(const uint8_t* p, int64_t ahead, int lines) {
+  for (int line = 0; line < lines; ++line) _mm_prefetch(reinterpret_cast<const char*>(p + ahead + 64 * line), _MM_HINT_T0);
+}
+
 // Fetches lines [from, to) of a stream that ends at `end` (nothing past it).
 inline void prefetch_lines(const uint8_t* from, const uint8_t* to, const uint8_t* end) {
   for (const uint8_t* p = from; p < std::min(to, end); p += 64)
@@ -271,7 +293,8 @@ void for_each_panel_tile(const uint8_t* panels, int64_t count, int64_t stride, i
   const int64_t tiles = (m + max_rows - 1) / max_rows;
   const bool paired = pairs && m == 1 && panel_streams() == 2;
   if (paired) {
-    for_each_panel_pair(count, stride, [&](int64_t p, int64_t q) { tile(1, p, q, 0, nullptr, 0); });
+    const int64_t ahead = pair_prefetch();
+    for_each_panel_pair(count, stride, [&](int64_t p, int64_t q) { tile(1, p, q, 0, nullptr, ahead); });
     return;
   }
   if (m == 1) {
@@ -319,7 +342,7 @@ void for_each_integer_tile(const uint8_t* panels, int64_t n, int64_t k, int64_t 
                       [&](int rows, int64_t p, int64_t q, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
     const IntegerTile t{{panels + p * stride, panels + q * stride}, {p * kPanel, q * kPanel}, row0, y + row0 * n,
                         residual ? residual + row0 * n : nullptr, fetch_end, ahead};
-    if (q >= 0)  // a one-row product's two streams (fetched by the hardware prefetcher alone)
+    if (q >= 0)  // a one-row product's two streams (fetched pair_prefetch() bytes ahead)
       tile(std::integral_constant<int, 1>{}, std::integral_constant<int, 2>{}, t);
     else
       with_rows<MaxRows>(rows, [&](auto r) { tile(r, std::integral_constant<int, 1>{}, t); });
@@ -796,8 +819,9 @@ __attribute__((noinline)) void panel_tile(const IntegerTile& tile, int64_t group
     const uint8_t* p[S];
     for (int j = 0; j < S; ++j) p[j] = panel[j] + g * kPanelGroupBytes;
     if (fetch_end && p[0] + ahead + kPanelGroupBytes <= fetch_end)
-      for (int line = 0; line < 5; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(p[0] + ahead + 64 * line), _MM_HINT_T0);
+      fetch_ahead(p[0], ahead, 5);
+    else if (S == 2 && ahead)
+      for (int j = 0; j < S; ++j) fetch_ahead(p[j], ahead, 5);
     __m512i sum[N][kChains];
     for (int i = 0; i < N; ++i)
       for (int c = 0; c < kChains; ++c) sum[i][c] = _mm512_setzero_si512();
@@ -1006,11 +1030,15 @@ __attribute__((noinline)) void float_panel_tile(const uint8_t* panel, int64_t k,
 template <class P>
 __attribute__((noinline)) void float_panel_pair(const uint8_t* pa, const uint8_t* pb, int64_t k, const float* x,
                                                 float* y, int64_t col_a, int64_t col_b, const float* bias,
-                                                const float* residual) {
+                                                const float* residual, int64_t ahead) {
   constexpr int L = P::kPerLine, kLinesPerStep = 4 / L;
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
   for (int64_t kk = 0; kk < k; kk += 4) {
     const uint8_t *la = pa + kk / L * 64, *lb = pb + kk / L * 64;
+    if (ahead) {
+      fetch_ahead(la, ahead, kLinesPerStep);
+      fetch_ahead(lb, ahead, kLinesPerStep);
+    }
     __m512 wa[4], wb[4];
     for (int l = 0; l < kLinesPerStep; ++l) {
       P::unpack(_mm512_loadu_si512(la + 64 * l), wa + l * L);
@@ -1045,7 +1073,8 @@ void matmul_float_panels(const uint8_t* panels, int64_t n, int64_t k, const floa
   for_each_panel_tile(panels, n / kPanel, stride, k, m, kFloatPanelRows, true,
                       [&](int rows, int64_t p, int64_t q, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
     if (q >= 0) {  // a one-row product reading two streams
-      float_panel_pair<P>(panels + p * stride, panels + q * stride, k, x, y, p * kPanel, q * kPanel, bias, residual);
+      float_panel_pair<P>(panels + p * stride, panels + q * stride, k, x, y, p * kPanel, q * kPanel, bias, residual,
+                          ahead);
       return;
     }
     const uint8_t* panel = panels + p * stride;
@@ -1137,7 +1166,7 @@ __attribute__((noinline)) void int8_panel_tile(const IntegerTile& tile, int64_t 
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* lines[S];
     for (int j = 0; j < S; ++j) lines[j] = panel[j] + g * kGroup * kPanel;
-    const bool fetch = fetch_end && lines[0] + ahead + 512 <= fetch_end;
+    const bool fetch = fetch_end && lines[0] + ahead + 512 <= fetch_end, fetch_pair = S == 2 && ahead;
     __m512i s0[N], s1[N], s2[N], s3[N], s4[N], s5[N], s6[N], s7[N];
     __m512i* sums[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
     for (int c = 0; c < kChains; ++c)
@@ -1145,6 +1174,8 @@ __attribute__((noinline)) void int8_panel_tile(const IntegerTile& tile, int64_t 
 #pragma GCC unroll 8
     for (int t = 0; t < kGroup / 4; ++t) {
       if (fetch) _mm_prefetch(reinterpret_cast<const char*>(lines[0] + ahead + 64 * t), _MM_HINT_T0);
+      if (fetch_pair)
+        for (int j = 0; j < S; ++j) _mm_prefetch(reinterpret_cast<const char*>(lines[j] + ahead + 64 * t), _MM_HINT_T0);
       for (int j = 0; j < S; ++j) {
         const __m512i first = _mm512_cvtepi8_epi16(  // inputs 4t, 4t+1
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lines[j] + 64 * t)));
@@ -1206,8 +1237,11 @@ __attribute__((noinline)) void read_panel_lines(const IntegerTile& tile, int64_t
   __m512i seen[S];
   for (int j = 0; j < S; ++j) seen[j] = _mm512_setzero_si512();
   for (int64_t line = 0; line < k * kPanel / 64; ++line)
-    for (int j = 0; j < S; ++j)
+    for (int j = 0; j < S; ++j) {
+      if (S == 2 && tile.ahead) _mm_prefetch(reinterpret_cast<const char*>(tile.panel[j] + tile.ahead + 64 * line),
+                                             _MM_HINT_T0);
       seen[j] = _mm512_or_si512(seen[j], _mm512_loadu_si512(tile.panel[j] + 64 * line));
+    }
   for (int j = 0; j < S; ++j) _mm512_storeu_si512(tile.y + tile.col0[j], seen[j]);
 }
 
@@ -1514,10 +1548,11 @@ at::Tensor attention(const at::Tensor& qkv, at::Tensor kcache, at::Tensor vcache
 }
 
 // Reads every byte of a float32 tensor (sums it): the best read bandwidth these kernels see.
-// With `prefetch`, each thread fetches its stream stream_prefetch() bytes ahead as the panel
-// kernels do; with `streams` = 2, each thread reads the two halves of its piece side by side,
-// as the panel kernels do for few rows. So the reference is never slower than the products
-// measured against it.
+// With `prefetch`, each thread fetches its streams `ahead` bytes ahead (by default
+// stream_prefetch(), as the panel kernels fetch a stream of several rows; a one-row
+// product's two streams are fetched pair_prefetch() ahead); with `streams` = 2, each thread
+// reads the two halves of its piece side by side, as the panel kernels do for one row. So
+// the reference is never slower than the products measured against it.
 constexpr int64_t kSumStep = 2 * kLanes;  // floats per stream and step: two vectors
 
 // the sum of `steps` steps from each of S runs, read side by side, each fetched `ahead` bytes
@@ -1554,11 +1589,14 @@ float sum_piece(const float* p, int64_t from, int64_t to, int64_t ahead) {
   return sum_runs<S>(runs, run, ahead) + vsum(vadd(a, b));
 }
 
-double stream_sum(const at::Tensor& t, bool prefetch, int64_t streams) {
+double stream_sum(const at::Tensor& t, bool prefetch, int64_t streams, int64_t ahead) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "a contiguous float32 tensor expected");
   TORCH_CHECK(streams == 1 || streams == 2, "1 or 2 streams per thread, not ", streams);
+  TORCH_CHECK(ahead == -1 || (ahead >= 0 && ahead % 64 == 0),
+              "the prefetch distance must be -1 (the default) or a multiple of 64 bytes");
   const float* p = t.data_ptr<float>();
-  const int64_t steps = t.numel() / kSumStep, chunk = 1 << 16, ahead = prefetch ? stream_prefetch() : 0;
+  const int64_t steps = t.numel() / kSumStep, chunk = 1 << 16;
+  ahead = prefetch ? (ahead < 0 ? stream_prefetch() : ahead) : 0;
   std::vector<double> partial((steps + chunk - 1) / chunk, 0.0);
   parallel_range(partial.size(), 1, [&](int64_t first, int64_t last) {
     const int64_t from = first * chunk, to = std::min(steps, last * chunk);
@@ -1729,10 +1767,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_stream_prefetch", &set_stream_prefetch,
         "how many bytes ahead the panel kernels fetch each thread's stream (0: leave it to the hardware)");
   m.def("stream_prefetch", &stream_prefetch, "the panel kernels' prefetch distance in bytes");
+  m.def("set_pair_prefetch", &set_pair_prefetch,
+        "how many bytes ahead each of a one-row product's two streams is fetched in software (0: by the hardware alone)");
+  m.def("pair_prefetch", &pair_prefetch, "how many bytes ahead a one-row product's two streams are fetched");
   m.def("set_panel_streams", &set_panel_streams, "streams each thread reads side by side in few-row products (1 or 2)");
   m.def("panel_streams", &panel_streams, "streams each thread reads side by side in few-row products");
-  m.def("stream_sum", &stream_sum, "sum of a float32 tensor, read once", py::arg("t"), py::arg("prefetch") = false,
-        py::arg("streams") = 1);
+  m.def("stream_sum", &stream_sum, "sum of a float32 tensor, read once (with prefetch: `ahead` bytes ahead, "
+        "by default stream_prefetch())", py::arg("t"), py::arg("prefetch") = false, py::arg("streams") = 1,
+        py::arg("ahead") = -1);
   m.def("stream_pieces", &stream_pieces,
         "sum of a float32 tensor read as pieces one after another, two streams per thread, each "
         "piece's streams started afresh or (continuous) following on from the piece before",
