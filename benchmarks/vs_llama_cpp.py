@@ -13,6 +13,13 @@ runs in a process of its own (llama_cpp_worker.py), with OpenMP's default wait p
 verispec runs its int4 format built from the GGUF's own 4-bit blocks. Rates are decoding
 tokens/s after the first token, so prefill is excluded on both sides; each output is
 compared with the same engine's plain output.
+
+On a processor with AMX, llama.cpp 0.3.36 built for it (its default, -march=native) crashes in
+its AMX matrix products on the first evaluation (llama.cpp issue 20824); build it without them:
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+      -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_BMI2=ON" \
+      pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python==0.3.36
 """
 
 from __future__ import annotations
@@ -45,7 +52,11 @@ class LlamaCppEngine:
     def _ask(self, **request) -> dict:
         self.worker.stdin.write(json.dumps(request) + "\n")
         self.worker.stdin.flush()
-        return json.loads(self.worker.stdout.readline())
+        line = self.worker.stdout.readline()
+        if not line:  # it died: llama.cpp's AMX products crash on some builds (see the top of this file)
+            raise SystemExit(f"llama.cpp's worker ended (exit status {self.worker.wait()}) on a {request['op']} "
+                             "request")
+        return json.loads(line)
 
     def plain(self, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
         answer = self._ask(op="plain", ids=prompt, tokens=max_tokens)
