@@ -173,10 +173,11 @@ void set_stream_prefetch(int64_t bytes) {
 
 // How far ahead each of a one-row product's two streams per thread is fetched in software,
 // unless `set_pair_prefetch` changes it: on Intel processors 1.5 KB, elsewhere 0 (the
-// hardware prefetcher alone). On the Intel Xeon these kernels were measured on, the hardware
-// alone kept one-row products at 76-85% of the read bandwidth and 1.5 KB ahead raised them
-// to 88-95%, every format alike; on an AMD EPYC (Zen 4), fetching two streams in software
-// read less than the hardware alone (benchmarks/pair_prefetch.py compares distances).
+// hardware prefetcher alone). On the Intel Xeon these kernels were measured on, 1.5 KB ahead
+// took the 1.5B's one-row steps from 37.1 to 33.5 ms in int4 and from 122 to 99 ms in
+// bfloat16, near the best distance in every format; on an AMD EPYC (Zen 4), fetching two
+// streams in software read less than the hardware alone (benchmarks/pair_prefetch.py
+// compares distances).
 int64_t default_pair_prefetch() {
   __builtin_cpu_init();  // this runs among the static initialisers
   return __builtin_cpu_is("intel") ? 1536 : 0;
