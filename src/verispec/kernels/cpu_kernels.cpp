@@ -1176,7 +1176,7 @@ __attribute__((noinline)) void int8_panel_tile(const IntegerTile& tile, int64_t 
     for (int t = 0; t < kGroup / 4; ++t) {
       if (fetch) _mm_prefetch(reinterpret_cast<const char*>(lines[0] + ahead + 64 * t), _MM_HINT_T0);
       if (fetch_pair)
-        for (int j = 0; j < S; ++j) _mm_prefetch(reinterpret_cast<const char*>(lines[j] + ahead + 64 * t), _MM_HINT_T0);
+        for (int j = 0; j < S; ++j) fetch_ahead(lines[j] + 64 * t, ahead, 1);
       for (int j = 0; j < S; ++j) {
         const __m512i first = _mm512_cvtepi8_epi16(  // inputs 4t, 4t+1
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lines[j] + 64 * t)));
@@ -1239,8 +1239,7 @@ __attribute__((noinline)) void read_panel_lines(const IntegerTile& tile, int64_t
   for (int j = 0; j < S; ++j) seen[j] = _mm512_setzero_si512();
   for (int64_t line = 0; line < k * kPanel / 64; ++line)
     for (int j = 0; j < S; ++j) {
-      if (S == 2 && tile.ahead) _mm_prefetch(reinterpret_cast<const char*>(tile.panel[j] + tile.ahead + 64 * line),
-                                             _MM_HINT_T0);
+      if (S == 2 && tile.ahead) fetch_ahead(tile.panel[j] + 64 * line, tile.ahead, 1);
       seen[j] = _mm512_or_si512(seen[j], _mm512_loadu_si512(tile.panel[j] + 64 * line));
     }
   for (int j = 0; j < S; ++j) _mm512_storeu_si512(tile.y + tile.col0[j], seen[j]);
