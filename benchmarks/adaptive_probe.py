@@ -1,0 +1,80 @@
+"""What --adaptive's first probe costs, by how much of the context the draft reads before it.
+
+    python benchmarks/adaptive_probe.py                          # coding and translation, 32 / 16 / 8 positions
+    python benchmarks/adaptive_probe.py --categories qa --lags 32 8 --prompts 5
+
+With --adaptive a draft model reads the context only when it is about to draft, and then no
+more than its last READY_LAG positions (verispec.generate). Its first probe therefore costs a
+pass of the draft over up to READY_LAG positions and a couple of draft steps: little against
+a long answer, several percent of a short one. Reading less makes the probe cheaper but lets
+the draft see less of the question. For each prompt: a plain run, one --adaptive run per
+lag, another plain run (load drift hits both sides alike); every --adaptive output must
+equal the plain output. Per category and lag: plain seconds / adaptive seconds, and the
+drafted and accepted tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import verispec  # noqa: F401  (first: it sets how torch's threads wait)
+
+from perf_common import load_pair, save, verdict
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--weights", default="int8")
+    parser.add_argument("--draft-weights", default="int4")
+    parser.add_argument("--categories", nargs="+", default=["coding", "translation"])
+    parser.add_argument("--lags", type=int, nargs="+", default=[32, 16, 8])
+    parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--gamma", type=int, default=8, help="the largest γ --adaptive may choose (as speedup.py)")
+    args = parser.parse_args()
+
+    import verispec.generate as generation
+    from verispec.lab.prompts import load_prompts
+
+    target, draft, record = load_pair(args, "--adaptive's first probe", f"{args.tokens} tokens")
+    default_lag = generation.READY_LAG
+    record.update(tokens=args.tokens, default_lag=default_lag, categories={})
+    try:
+        for category in args.categories:
+            totals = {lag: {"plain_s": 0.0, "adaptive_s": 0.0, "drafted": 0, "accepted": 0, "valid": True}
+                      for lag in args.lags}
+            for prompt in load_prompts(f"spec-bench:{category}", limit=args.prompts):
+                options = dict(chat=True, max_tokens=args.tokens)
+                before = generation.generate(target, prompt.text, **options)
+                runs = {}
+                for lag in args.lags:
+                    generation.READY_LAG = lag
+                    runs[lag] = generation.generate(target, prompt.text, draft=draft, gamma=args.gamma,
+                                                    adaptive="cost", **options)
+                generation.READY_LAG = default_lag
+                after = generation.generate(target, prompt.text, **options)
+                plain_s = (before.timings.decode_s + after.timings.decode_s) / 2
+                for lag, run in runs.items():
+                    entry = totals[lag]
+                    entry["plain_s"] += plain_s
+                    entry["adaptive_s"] += run.timings.decode_s
+                    entry["drafted"] += run.spec.drafted
+                    entry["accepted"] += run.spec.accepted
+                    entry["valid"] &= run.token_ids == before.token_ids == after.token_ids
+            for lag, entry in totals.items():
+                entry["ratio"] = entry["plain_s"] / entry["adaptive_s"]
+                print(verdict(f"{category}, the draft reading {lag} positions before its first probe",
+                              f"{entry['ratio']:.3f}x of plain, {entry['accepted']}/{entry['drafted']} drafts kept, "
+                              f"{'VALID' if entry['valid'] else 'INVALID'}", None))
+            record["categories"][category] = {str(lag): entry for lag, entry in totals.items()}
+    finally:
+        generation.READY_LAG = default_lag
+    save("adaptive_probe", record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
