@@ -1,6 +1,7 @@
 """The two int4 products side by side on the 1.5B target's layer shapes: the float32 path
-(`linear_int4`: dequantise by table lookup, float32 FMAs) and the AVX-512 VNNI path
-(`linear_int4_panels`: activations rounded to int8 per group of 32, `vpdpbusd`).
+(`linear_int4`: dequantise by table lookup, float32 FMAs) and the integer panel path
+(`linear_int4_panels`: activations rounded to int8 per group of 32, `vpdpbusd` with AVX-512
+VNNI, `vpmaddubsw` with AVX2).
 
     python benchmarks/int4_kernels.py              # m = 1, 5, 9 on all threads
     python benchmarks/int4_kernels.py --layers 8 --rows 1 2 5 9 17
@@ -44,7 +45,7 @@ def main() -> int:
 
     kernels = cpu_kernels()
     if kernels is None or not hasattr(kernels, "linear_int4_panels"):
-        print("the VNNI kernel is not built on this machine (needs AVX-512 VNNI)")
+        print("the CPU kernels are not built on this machine (they need AVX2 or AVX-512, and a compiler)")
         return 1
     generator = torch.Generator().manual_seed(0)
     layers = []
@@ -69,23 +70,23 @@ def main() -> int:
                     kernels.linear_int4_panels(x, panels, None, None)
         return (time.perf_counter() - started) / len(layers)
 
-    times: dict[tuple[str, int], list[float]] = {(p, m): [] for p in ("float", "vnni") for m in args.rows}
+    times: dict[tuple[str, int], list[float]] = {(p, m): [] for p in ("float", "panels") for m in args.rows}
     for round_index in range(args.rounds + 1):
         for m in args.rows:
-            for path in ("float", "vnni"):
+            for path in ("float", "panels"):
                 t = run(path, m)
                 if round_index:
                     times[path, m].append(t)
     median = {key: sorted(v)[len(v) // 2] for key, v in times.items()}
     print(f"int4 products, one 1.5B layer ({weights / 1e6:.1f} M weights), {torch.get_num_threads()} threads, "
           f"{args.layers} copies, median of {args.rounds}")
-    print(f"{'m':>3} {'float ms':>9} {'vnni ms':>8} {'speed-up':>8} {'float Gw/s':>10} {'vnni Gw/s':>9} "
-          f"{'vnni GB/s':>9} {'r float':>7} {'r vnni':>7}")
+    print(f"{'m':>3} {'float ms':>9} {'panel ms':>8} {'speed-up':>8} {'float Gw/s':>10} {'panel Gw/s':>9} "
+          f"{'panel GB/s':>9} {'r float':>7} {'r panel':>7}")
     for m in args.rows:
-        f, v = median["float", m], median["vnni", m]
+        f, v = median["float", m], median["panels", m]
         print(f"{m:>3} {f * 1e3:>9.2f} {v * 1e3:>8.2f} {f / v:>8.2f} {weights / f / 1e9:>10.1f} "
               f"{weights / v / 1e9:>9.1f} {weights * 0.625 / v / 1e9:>9.1f} "
-              f"{f / median['float', args.rows[0]]:>7.2f} {v / median['vnni', args.rows[0]]:>7.2f}")
+              f"{f / median['float', args.rows[0]]:>7.2f} {v / median['panels', args.rows[0]]:>7.2f}")
     return 0
 
 
@@ -110,7 +111,7 @@ def real_model(name: str, sizes: list[int], rounds: int) -> int:
     fast.stack = None
     cache.rollback(0)
     model(feed, cache)  # binds again, switching the layers to panels
-    bound["vnni"] = fast.stack, fast.head
+    bound["panels"] = fast.stack, fast.head
     length = cache.length
     times: dict[tuple[str, int], list[float]] = {(p, m): [] for p in bound for m in sizes}
     for round_index in range(rounds + 1):
@@ -126,11 +127,11 @@ def real_model(name: str, sizes: list[int], rounds: int) -> int:
     step_bytes = loaded.weight_bytes()
     print(f"{name} int4, {step_bytes / 1e6:.0f} MB of weights per step, {torch.get_num_threads()} threads, "
           f"median of {rounds} forward passes over m positions")
-    print(f"{'m':>3} {'float ms':>9} {'vnni ms':>8} {'speed-up':>8} {'r float':>7} {'r vnni':>7} {'vnni GB/s':>9}")
+    print(f"{'m':>3} {'float ms':>9} {'panel ms':>8} {'speed-up':>8} {'r float':>7} {'r panel':>7} {'panel GB/s':>9}")
     for m in sizes:
-        f, v = median["float", m], median["vnni", m]
+        f, v = median["float", m], median["panels", m]
         print(f"{m:>3} {f * 1e3:>9.1f} {v * 1e3:>8.1f} {f / v:>8.2f} {f / median['float', sizes[0]]:>7.2f} "
-              f"{v / median['vnni', sizes[0]]:>7.2f} {step_bytes / v / 1e9:>9.1f}")
+              f"{v / median['panels', sizes[0]]:>7.2f} {step_bytes / v / 1e9:>9.1f}")
     return 0
 
 

@@ -92,13 +92,13 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5, keep: bool = False) -> fl
 
 
 def panel_kernels():
-    """The compiled kernels, or None (and a line saying why) where they lack the integer panel
-    kernels, which need AVX-512 VNNI."""
+    """The compiled kernels with their panel products, or None (and a line saying why) where
+    the kernels could not be built."""
     from verispec.kernels import cpu_kernels
 
     kernels = cpu_kernels()
     if kernels is None or not hasattr(kernels, "linear_int8_panels"):
-        print("the panel kernels are not built on this machine (they need AVX-512 VNNI)")
+        print("the CPU kernels are not built on this machine (they need AVX2 or AVX-512, and a compiler)")
         return None
     return kernels
 

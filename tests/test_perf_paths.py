@@ -26,12 +26,6 @@ PROMPT = "the cat sat on the mat. the cat"
 REPO = Path(__file__).resolve().parents[1]
 
 needs_kernels = pytest.mark.skipif(kernels.cpu_kernels() is None, reason="the CPU kernels could not be built")
-needs_vnni = pytest.mark.skipif(not hasattr(kernels.cpu_kernels(), "linear_int4_panels"),
-                                reason="the int4 kernel with int8 activations needs AVX-512 VNNI")
-needs_float_panels = pytest.mark.skipif(not hasattr(kernels.cpu_kernels(), "linear_float_panels"),
-                                        reason="the panel kernels need AVX-512")
-needs_int8_panels = pytest.mark.skipif(not hasattr(kernels.cpu_kernels(), "linear_int8_panels"),
-                                       reason="the int8 kernel with 16-bit activations needs AVX-512 VNNI")
 
 
 def test_the_kernels_build_where_the_processor_can_run_them():
@@ -51,7 +45,7 @@ def test_the_kernels_build_where_the_processor_can_run_them():
 @contextlib.contextmanager
 def _plain_path(as_int4_kernel: bool = False):
     """PyTorch's path instead of the kernels. With `as_int4_kernel`, int4 layers that run on
-    the VNNI kernel (those in its panel layout) first round their activations to int8 as that
+    the int4 panel kernel (those in its panel layout) first round their activations to int8 as that
     kernel does, so the two paths compute the same function and differ only in float32
     rounding; elsewhere this changes nothing."""
     kernels.set_enabled(False)
@@ -198,7 +192,7 @@ def test_formats_decode_without_the_kernels(folder, fmt):
     if kernels.cpu_kernels() is not None:
         scale = fast.abs().max()
         assert (same_function - fast).abs().max() <= 1e-3 * scale  # float32 rounding only
-        # Rounding activations to int8 (the VNNI int4 kernel) moves each product by up to
+        # Rounding activations to int8 (the int4 panel kernel) moves each product by up to
         # max|x| / 254 per group times the weights' sum; through the tiny model's layers
         # the logits moved by 1.8% of the largest one when this was written. A layout or
         # scale mistake moves them by about 100%.
@@ -215,8 +209,8 @@ def _int4_layer(rows: int, cols: int, seed: int = 0) -> tuple[Int4Linear, torch.
     return layer, x, torch.randn(12, rows, generator=gen)
 
 
-@needs_vnni
-def test_int4_vnni_kernel_is_the_product_with_int8_rounded_activations():
+@needs_kernels
+def test_int4_panel_kernel_is_the_product_with_int8_rounded_activations():
     k = kernels.cpu_kernels()
     layer, x, residual = _int4_layer(48, 256)
     nibbles, scales, weight = layer.nibbles, layer.scales, layer.dense_weight()
@@ -242,8 +236,8 @@ def test_int4_vnni_kernel_is_the_product_with_int8_rounded_activations():
     assert (vnni - plain).abs().max() > 0  # the activations really were rounded
 
 
-@needs_vnni
-def test_int4_vnni_rows_are_bit_identical_to_single_rows():
+@needs_kernels
+def test_int4_panel_rows_are_bit_identical_to_single_rows():
     k = kernels.cpu_kernels()
     layer, x, residual = _int4_layer(64, 96, seed=1)
     panels = k.int4_to_panels(layer.nibbles, layer.scales)
@@ -254,8 +248,33 @@ def test_int4_vnni_rows_are_bit_identical_to_single_rows():
         assert torch.equal(k.linear_int4_panels(x[:m], panels, layer.bias, residual[:m].contiguous()), singles[:m])
 
 
-@needs_vnni
-def test_int4_layers_switch_to_the_vnni_layout_once_and_keep_the_canonical_one_outside():
+@needs_kernels
+def test_integer_panels_do_not_overflow_at_the_largest_weights_and_activations():
+    """Without VNNI the int4 product sums a group's byte pairs in 16 bits, and the int8 one
+    multiplies 16-bit pairs: the largest nibbles (15) times activations that round to ±127,
+    and the largest int8 weights times ±32767, must still give the exact sums."""
+    k = kernels.cpu_kernels()
+    n, cols = 32, 256
+    nibbles = torch.full((n, cols // 2), 0xFF, dtype=torch.uint8)
+    scales = torch.zeros(n, cols // 32, 2, dtype=torch.float16)
+    scales[..., 0] = 1.0
+    int4_panels = k.int4_to_panels(nibbles, scales)
+    int8_weight = torch.full((n, cols), 127, dtype=torch.int8)
+    int8_weight[:, 1::2] = -127  # pairs of opposite weights: each 16-bit pair sums to 0
+    int8_weight[: n // 2] = 127  # half the columns all at +127
+    int8_panels = to_panels(int8_weight)
+    ones = torch.ones(n)
+    for sign in (1.0, -1.0):
+        x = torch.full((3, cols), sign)
+        expected4 = torch.full((3, n), sign * 15.0 * cols)
+        torch.testing.assert_close(k.linear_int4_panels(x, int4_panels, None, None), expected4, rtol=1e-5, atol=0)
+        expected8 = torch.cat([torch.full((3, n // 2), sign * 127.0 * cols), torch.zeros(3, n // 2)], 1)
+        torch.testing.assert_close(k.linear_int8_panels(x, int8_panels, ones, None, None), expected8,
+                                   rtol=1e-5, atol=1e-3)
+
+
+@needs_kernels
+def test_int4_layers_switch_to_the_panel_layout_once_and_keep_the_canonical_one_outside():
     layer, x, _ = _int4_layer(48, 64)
     odd, _, _ = _int4_layer(40, 64)  # not a multiple of 16 columns: stays on the float32 kernel
     nibbles, scales, weight = layer.nibbles.clone(), layer.scales.clone(), layer.dense_weight()
@@ -290,7 +309,7 @@ def _assert_rows_match_single_rows(product, x: torch.Tensor, residual: torch.Ten
         assert torch.equal(product(x[:m], residual[:m].contiguous()), singles[:m]), m
 
 
-@needs_float_panels
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_float_panel_kernel_is_the_same_product_and_batch_invariant(dtype):
     k = kernels.cpu_kernels()
@@ -308,7 +327,7 @@ def test_float_panel_kernel_is_the_same_product_and_batch_invariant(dtype):
     _assert_rows_match_single_rows(lambda rows, res: k.linear_float_panels(rows, panels, bias, res), x, residual)
 
 
-@needs_int8_panels
+@needs_kernels
 def test_int8_panel_kernel_is_the_product_with_16_bit_activations():
     k = kernels.cpu_kernels()
     gen = torch.Generator().manual_seed(6)
@@ -336,7 +355,7 @@ def test_int8_panel_kernel_is_the_product_with_16_bit_activations():
         lambda rows, res: k.linear_int8_panels(rows, panels, layer.scale, layer.bias, res), x, residual)
 
 
-@needs_int8_panels
+@needs_kernels
 def test_the_prefetch_distance_changes_speed_only():
     k = kernels.cpu_kernels()
     gen = torch.Generator().manual_seed(12)
@@ -358,7 +377,7 @@ def test_the_prefetch_distance_changes_speed_only():
     assert k.stream_prefetch() == default == 20 * 1024
 
 
-@needs_int8_panels
+@needs_kernels
 def test_one_row_products_read_by_region_give_the_rows_of_a_longer_pass():
     """A one-row product reads one region of panels per thread (as two streams side by side,
     or one): the very rows a three-row pass gives (111 panels: two regions, of odd and even
@@ -400,7 +419,7 @@ def test_one_row_products_read_by_region_give_the_rows_of_a_longer_pass():
         k.stream_sum(t, True, 2, 100)
 
 
-@needs_int8_panels
+@needs_kernels
 def test_reading_int8_panels_without_arithmetic_reads_every_byte():
     """The benchmarks' yardstick for the panel layout reads every line of every panel, on
     both threads' regions and an odd panel out (each output: an OR of its panel's lines)."""
@@ -417,9 +436,9 @@ def _panel_layers(loaded) -> list[PackedLinear]:
     return [m for m in loaded.model.modules() if isinstance(m, PackedLinear) and m.panels is not None]
 
 
-@needs_float_panels
-@pytest.mark.parametrize("fmt", ["float32", "bfloat16", pytest.param("int8", marks=needs_int8_panels),
-                                 pytest.param("int4", marks=needs_vnni)])
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8",
+                                 "int4"])
 def test_a_loaded_model_keeps_its_panels_in_one_buffer_in_the_order_they_run(folder, fmt, monkeypatch):
     loaded = _load(folder, fmt)
     layers = _panel_layers(loaded)
@@ -452,8 +471,8 @@ def _layer(fmt: str, rows: int, cols: int, seed: int):
     return FloatLinear(weight.to(getattr(torch, fmt)), bias)
 
 
-@needs_float_panels
-@pytest.mark.parametrize("fmt", ["float32", "bfloat16", pytest.param("int8", marks=needs_int8_panels)])
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
 def test_layers_switch_to_panels_once_and_keep_the_canonical_layout_outside(fmt):
     layer, odd = _layer(fmt, 48, 64, seed=8), _layer(fmt, 40, 64, seed=9)  # 40 columns: no panels
     weight, dense, size = layer.weight.clone(), layer.dense_weight(), weight_bytes(layer)
@@ -668,7 +687,7 @@ def test_weight_cache_round_trip(tmp_path, monkeypatch, fmt):
     b = generate(second, PROMPT, max_tokens=12, ignore_eos=True)
     assert a.token_ids == b.token_ids
     assert second.tokenizer.encode(PROMPT) == first.tokenizer.encode(PROMPT)
-    # a model whose int4 layers have switched to the VNNI kernel's layout stores the canonical one
+    # a model whose int4 layers have switched to the int4 kernel's panel layout stores the canonical one
     entry = tmp_path / "again" / "model-int4-0.safetensors"
     weight_cache.store(entry, first.model, first.config, first.tokenizer)
     model = weight_cache.load(entry)[0]
@@ -716,7 +735,7 @@ def test_a_packed_model_keeps_no_weight_file_mapped(tmp_path):
     with torch.no_grad():
         assert torch.equal(loaded.model.model.embed_tokens.weight, ref.model.embed_tokens.weight)
 
-@needs_float_panels
+@needs_kernels
 def test_tied_float_output_layer_holds_the_only_copy_of_the_table(tmp_path, monkeypatch):
     from verispec.loading import weight_cache
     from verispec.quant import TiedEmbedding
@@ -867,19 +886,20 @@ def test_rounds_are_split_by_spell_and_a_run_at_one_level_is_not_called_fast(mon
     assert stream_layout.spells(rounds(47e9, 50e9))["single"]["bandwidth"] == [47e9, 50e9]
 
 
-@needs_float_panels
+@needs_kernels
 def test_reading_in_pieces_reads_the_same_bytes_in_place_and_continuous():
     """`stream_pieces`, the yardstick of benchmarks/stream_starts.py, reads the same whole sum
-    steps (32 floats) in both placements: each piece's streams where the piece lies, or each
-    stream following its part of the piece before. Only what does not fill a step for every
-    stream of every piece is left out."""
+    steps (two vectors: 32 floats with AVX-512, 16 with AVX2) in both placements: each piece's
+    streams where the piece lies, or each stream following its part of the piece before. Only
+    what does not fill a step for every stream of every piece is left out."""
     k = kernels.cpu_kernels()
+    step = 2 * k.lanes
     gen = torch.Generator().manual_seed(21)
     t = torch.randn(1_000_003, generator=gen)
     streams = 2 * min(torch.get_num_threads(), os.cpu_count() or 1)
     for pieces in (1, 3, 10):
-        part = t.numel() // 32 // pieces // streams
-        exact = float(t[:pieces * streams * part * 32].double().sum())
+        part = t.numel() // step // pieces // streams
+        exact = float(t[:pieces * streams * part * step].double().sum())
         for continuous in (False, True):
             assert k.stream_pieces(t, pieces, continuous) == pytest.approx(exact, abs=1e-2)
     ones = torch.ones(64 * 8 * 32)  # nothing left out: a marker in the last step of all

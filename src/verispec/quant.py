@@ -12,20 +12,21 @@ and Q4_K blocks are exactly s*q + z per 32 weights, so they are repacked without
 through float32 (only the scale and offset are rounded to float16). Tensors stored at
 higher precision (Q5_0, Q6_K, Q8_0, float) are quantised to 4 bits from their values.
 
-With AVX-512 the kernels read weights rearranged into panels of 16 output columns, so
-that each thread reads one sequential stream and can fetch it far enough ahead (row-major
-weights made a tile read several short streams that the hardware prefetcher never caught
-up with). A layer switches to its panels on the first use of the kernel; its state dict,
-`packed()` and `dense_weight()` still give the canonical tensors.
+The kernels read weights rearranged into panels of 16 output columns, so that each thread
+reads one sequential stream and can fetch it far enough ahead (row-major weights made a
+tile read several short streams that the hardware prefetcher never caught up with). A
+layer switches to its panels on the first use of the kernel; its state dict, `packed()`
+and `dense_weight()` still give the canonical tensors.
 
-On CPUs with AVX-512 VNNI the int4 kernel also rounds the activations, per row, to int8 in
-groups of 32 (`round_activations`, as llama.cpp does for its 4-bit formats) and multiplies
-with 8-bit integer dot products: dequantising to float32 made every row cost 4 FMAs per 64
-weights, so one-row decoding was compute-bound on a fast memory system and each extra row
-of a verification pass cost nearly as much as the first. The result is the int4 weights
-times the rounded activations (a relative error of a few thousandths per product), still
-batch-invariant because rows are rounded one by one. The PyTorch path stays the exact
-reference; other CPUs keep the float32 int4 kernel.
+The int4 panel kernel also rounds the activations, per row, to int8 in groups of 32
+(`round_activations`, as llama.cpp does for its 4-bit formats) and multiplies with 8-bit
+integer dot products (AVX-512 VNNI's, or AVX2's built to give the same sums): dequantising
+to float32 made every row cost 4 FMAs per 64 weights, so one-row decoding was
+compute-bound on a fast memory system and each extra row of a verification pass cost nearly as
+much as the first. The result is the int4 weights times the rounded activations (a
+relative error of a few thousandths per product), still batch-invariant because rows are
+rounded one by one, and the same bits with AVX2 as with AVX-512. The PyTorch path stays
+the exact reference.
 """
 
 from __future__ import annotations
@@ -177,8 +178,8 @@ class PackedLinear(nn.Module, metaclass=ABCMeta):
 
 
 class FloatLinear(PackedLinear):
-    """float32, bfloat16 or float16 weights as they are. With AVX-512 the first use of the
-    kernel rearranges `weight` into `panels` (`to_panels`); the state dict keeps `weight`."""
+    """float32, bfloat16 or float16 weights as they are. The first use of the kernel
+    rearranges `weight` into `panels` (`to_panels`); the state dict keeps `weight`."""
 
     STORED = CANONICAL = ("weight",)
     KERNEL = "linear_float"
@@ -313,10 +314,11 @@ def share_tied_embedding(model: nn.Module) -> None:
 
 
 class Int8Linear(PackedLinear):
-    """Weight-only int8, symmetric, one float32 scale per output channel. With AVX-512 VNNI
-    the first use of the kernel rearranges `weight` into `panels`, whose kernel carries the
-    activations in 16-bit fixed point per group of 32 (a relative error of at most 1.5e-5
-    of the group's largest value, finer than bfloat16) and multiplies with `vpdpwssd`."""
+    """Weight-only int8, symmetric, one float32 scale per output channel. The first use of
+    the kernel rearranges `weight` into `panels`, whose kernel carries the activations in
+    16-bit fixed point per group of 32 (a relative error of at most 1.5e-5 of the group's
+    largest value, finer than bfloat16) and multiplies 16-bit pairs (`vpdpwssd` with AVX-512
+    VNNI, `vpmaddwd` with AVX2)."""
 
     fmt = "int8"
     STORED = ("weight", "scale")
@@ -361,9 +363,9 @@ class Int4Linear(PackedLinear):
     """4-bit groups of 32: `nibbles` [out, in/2] uint8 (byte j of a group: weight j low,
     weight j+16 high) and `scales` [out, in/32, 2] float16 (scale s, offset z; w = s*q + z).
 
-    That canonical layout is what the layer is built from, fused, cached and saved as. On a
-    CPU with AVX-512 VNNI, the first use of the kernel rearranges it once into `panels`
-    (16 output columns per panel, `linear_int4_panels`) and drops the canonical tensors;
+    That canonical layout is what the layer is built from, fused, cached and saved as. The
+    first use of the kernel rearranges it once into `panels` (16 output columns per panel,
+    `linear_int4_panels`) and drops the canonical tensors;
     `state_dict()`, `packed()` and `dense_weight()` still give the canonical layout's contents.
     Layers whose output size is not a multiple of 16 keep the float32 int4 kernel.
     """
@@ -455,7 +457,7 @@ def int4_to_float(nibbles: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def int4_from_panels(panels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The canonical (nibbles, scales) of the VNNI kernel's panel layout [out/16, in/32, 320]:
+    """The canonical (nibbles, scales) of the int4 kernel's panel layout [out/16, in/32, 320]:
     per panel and group, 16 scales and 16 offsets as float16, then 4 chunks of 64 bytes in
     which dword j of chunk t is column j's group bytes 4t..4t+3."""
     count, groups = panels.shape[:2]
@@ -466,8 +468,8 @@ def int4_from_panels(panels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def round_activations(x: torch.Tensor, levels: int = 127) -> torch.Tensor:
-    """x as the VNNI kernels see it: each row rounded in groups of 32 along the features to
-    integers in [-levels, levels] (dx = max|x| / levels, dx * round(x / dx)); 127 for the
+    """x as the integer panel kernels see it: each row rounded in groups of 32 along the
+    features to integers in [-levels, levels] (dx = max|x| / levels, dx * round(x / dx)); 127 for the
     int4 kernel's int8 activations, 32767 for the int8 kernel's 16-bit ones. Those kernels
     compute exactly the product of their weights with these values, up to float32 rounding."""
     g = x.float().reshape(*x.shape[:-1], -1, GROUP)

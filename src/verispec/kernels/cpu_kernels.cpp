@@ -12,20 +12,23 @@
 // Built with -ffp-contract=off: every fused multiply-add below is written out, so the
 // compiler cannot fuse differently in different template instances.
 //
-// With AVX-512 every format also has a "panel" layout (16 output columns interleaved) that
-// each thread reads as one sequential stream, fetched stream_prefetch() bytes ahead: the
-// row-major kernels read several short streams at once and fell behind the memory system.
+// Every format also has a "panel" layout (16 output columns interleaved) that each thread
+// reads as one sequential stream, fetched stream_prefetch() bytes ahead: the row-major
+// kernels read several short streams at once and fell behind the memory system.
 // `linear_float_panels` keeps float32 activations; `linear_int8_panels` carries them in
-// 16-bit fixed point and multiplies with `vpdpwssd`.
+// 16-bit fixed point and multiplies 16-bit pairs (`vpdpwssd`).
 //
-// int4 on CPUs with AVX-512 VNNI (`linear_int4_panels`): the activations are rounded to
-// int8 per row in groups of 32 and multiplied with 8-bit integer dot products, as llama.cpp
-// does. Dequantising to float32 costs 4 FMAs per 64 weights and row, which made one-row int4
-// decoding compute-bound on this class of machine and each extra row of a verification
-// pass nearly as dear as the first; `vpdpbusd` does 64 products in one instruction. The
-// rounding changes the numerics (the product of the int4 weights with the rounded
-// activations), not batch invariance: rows are rounded one by one. Elsewhere the float32
-// int4 path (`linear_int4`) stays.
+// int4 (`linear_int4_panels`): the activations are rounded to int8 per row in groups of 32
+// and multiplied with 8-bit integer dot products, as llama.cpp does. Dequantising to
+// float32 costs 4 FMAs per 64 weights and row, which made one-row int4 decoding
+// compute-bound on this class of machine and each extra row of a verification pass nearly
+// as dear as the first; `vpdpbusd` does 64 products in one instruction. The rounding
+// changes the numerics (the product of the int4 weights with the rounded activations), not
+// batch invariance: rows are rounded one by one.
+//
+// The panel kernels are written once over "16 lanes" (one AVX-512 register, or two AVX2
+// registers) and give the same bits with either instruction set; the row-major kernels
+// (`linear_float`, `linear_int8`, `linear_int4`) remain for what the panels do not cover.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -718,13 +721,177 @@ at::Tensor dequantize_int4(const at::Tensor& q, const at::Tensor& scales) {
   return out;
 }
 
-// ------------------------------------------------------------------ int4 x int8 (AVX-512 VNNI)
+// ------------------------------------------------------------------ 16 lanes: one panel's columns
 //
-// The same int4 weights, multiplied with `vpdpbusd` (64 products of unsigned 8-bit weights
-// and signed 8-bit activations per instruction) instead of being dequantised to float32:
-// the float path spends 4 FMAs per 64 products and is compute-bound on a fast memory
-// system, where this one spends one dot-product instruction and is close to memory-bound
-// at one row, and each extra row of a verification pass costs about a quarter as much.
+// The panel kernels below keep a panel's 16 output columns in 16 lanes: one 512-bit
+// register with AVX-512, two 256-bit registers (columns 0-7 and 8-15) with AVX2. Every
+// operation here works lane by lane or is exact in integers, so both give the same bits.
+// The integer dot products are `vpdpbusd` and `vpdpwssd` with AVX-512 VNNI; without VNNI
+// they are built from `vpmaddubsw` and `vpmaddwd`, which give the same exact sums as long as
+// their 16-bit pair sums cannot saturate (the kernels below keep to that).
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr bool kWideLanes = true;
+struct Lanes { __m512 v; };    // 16 floats
+struct ILanes { __m512i v; };  // 16 int32 (or 32 int16, or 64 bytes)
+inline Lanes lzero() { return {_mm512_setzero_ps()}; }
+inline Lanes lset1(float v) { return {_mm512_set1_ps(v)}; }
+inline Lanes lload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void lstore(float* p, Lanes a) { _mm512_storeu_ps(p, a.v); }
+inline Lanes ladd(Lanes a, Lanes b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Lanes lmul(Lanes a, Lanes b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Lanes ldiv(Lanes a, Lanes b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline Lanes lmin(Lanes a, Lanes b) { return {_mm512_min_ps(a.v, b.v)}; }
+inline Lanes lmax(Lanes a, Lanes b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline Lanes lfma(Lanes a, Lanes b, Lanes c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a * b + c
+inline float lmaxall(Lanes a) { return _mm512_reduce_max_ps(a.v); }
+inline Lanes labs(Lanes a) {
+  return {_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a.v), _mm512_set1_epi32(0x7FFFFFFF)))};
+}
+inline Lanes lfloat(ILanes a) { return {_mm512_cvtepi32_ps(a.v)}; }  // int32 -> float
+inline Lanes lbits(ILanes a) { return {_mm512_castsi512_ps(a.v)}; }   // the same bits as floats
+inline ILanes lround(Lanes a) { return {_mm512_cvtps_epi32(a.v)}; }   // to the nearest, ties to even
+inline Lanes lhalves(const uint8_t* p) {  // 16 float16 (32 bytes) -> floats
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+inline Lanes lhalves_low(ILanes a) { return {_mm512_cvtph_ps(_mm512_cvtepi32_epi16(a.v))}; }  // each lane's low 16 bits
+inline ILanes izero() { return {_mm512_setzero_si512()}; }
+inline ILanes iload(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }  // 64 bytes
+inline void istore(void* p, ILanes a) { _mm512_storeu_si512(p, a.v); }
+inline ILanes iset1(int32_t v) { return {_mm512_set1_epi32(v)}; }
+inline ILanes ibytes(int8_t v) { return {_mm512_set1_epi8(v)}; }
+inline ILanes iand(ILanes a, ILanes b) { return {_mm512_and_si512(a.v, b.v)}; }
+inline ILanes iandnot(ILanes a, ILanes b) { return {_mm512_andnot_si512(a.v, b.v)}; }  // ~a & b
+inline ILanes ior(ILanes a, ILanes b) { return {_mm512_or_si512(a.v, b.v)}; }
+inline ILanes iadd(ILanes a, ILanes b) { return {_mm512_add_epi32(a.v, b.v)}; }
+inline ILanes iadd16(ILanes a, ILanes b) { return {_mm512_add_epi16(a.v, b.v)}; }
+inline ILanes isrl16(ILanes a, int n) { return {_mm512_srli_epi16(a.v, n)}; }
+inline ILanes isrl32(ILanes a, int n) { return {_mm512_srli_epi32(a.v, n)}; }
+inline ILanes isll32(ILanes a, int n) { return {_mm512_slli_epi32(a.v, n)}; }
+inline ILanes isra32(ILanes a, int n) { return {_mm512_srai_epi32(a.v, n)}; }
+inline int32_t isum(ILanes a) { return _mm512_reduce_add_epi32(a.v); }
+inline ILanes iwiden8(const uint8_t* p) {  // 32 int8 (32 bytes) -> 32 int16
+  return {_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+// 32 int32 in [-128, 127] (a, then b) -> 32 bytes
+inline void store_i8(int8_t* p, ILanes a, ILanes b) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(a.v));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 16), _mm512_cvtepi32_epi8(b.v));
+}
+// 32 int32 in [-32768, 32767] (a, then b) -> 64 bytes
+inline void store_i16(void* p, ILanes a, ILanes b) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(a.v));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p) + 1, _mm512_cvtepi32_epi16(b.v));
+}
+// products of unsigned and signed bytes, each adjacent pair summed to int16 (saturating)
+inline ILanes imul_u8_pairs(ILanes u, ILanes s) { return {_mm512_maddubs_epi16(u.v, s.v)}; }
+// products of int16, each adjacent pair summed to int32
+inline ILanes imul_i16_pairs(ILanes a, ILanes b) { return {_mm512_madd_epi16(a.v, b.v)}; }
+#else  // AVX2 (the SIMD layer above refuses anything less)
+constexpr bool kWideLanes = false;
+struct Lanes { __m256 lo, hi; };
+struct ILanes { __m256i lo, hi; };
+inline Lanes lzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Lanes lset1(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+inline Lanes lload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void lstore(float* p, Lanes a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline Lanes ladd(Lanes a, Lanes b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline Lanes lmul(Lanes a, Lanes b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline Lanes ldiv(Lanes a, Lanes b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline Lanes lmin(Lanes a, Lanes b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+inline Lanes lmax(Lanes a, Lanes b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline Lanes lfma(Lanes a, Lanes b, Lanes c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline float lmaxall(Lanes a) { return vmaxall(_mm256_max_ps(a.lo, a.hi)); }
+inline Lanes labs(Lanes a) {
+  const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  return {_mm256_and_ps(a.lo, mask), _mm256_and_ps(a.hi, mask)};
+}
+inline Lanes lfloat(ILanes a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+inline Lanes lbits(ILanes a) { return {_mm256_castsi256_ps(a.lo), _mm256_castsi256_ps(a.hi)}; }
+inline ILanes lround(Lanes a) { return {_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)}; }
+inline Lanes lhalves(const uint8_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
+}
+inline __m128i low_halves(__m256i v) {  // each of 8 lanes' low 16 bits, in order
+  const __m256i packed = _mm256_packus_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_setzero_si256());
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+inline Lanes lhalves_low(ILanes a) { return {_mm256_cvtph_ps(low_halves(a.lo)), _mm256_cvtph_ps(low_halves(a.hi))}; }
+inline ILanes izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline ILanes iload(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+inline void istore(void* p, ILanes a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a.lo);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p) + 1, a.hi);
+}
+inline ILanes iset1(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
+inline ILanes ibytes(int8_t v) { return {_mm256_set1_epi8(v), _mm256_set1_epi8(v)}; }
+inline ILanes iand(ILanes a, ILanes b) { return {_mm256_and_si256(a.lo, b.lo), _mm256_and_si256(a.hi, b.hi)}; }
+inline ILanes iandnot(ILanes a, ILanes b) { return {_mm256_andnot_si256(a.lo, b.lo), _mm256_andnot_si256(a.hi, b.hi)}; }
+inline ILanes ior(ILanes a, ILanes b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+inline ILanes iadd(ILanes a, ILanes b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+inline ILanes iadd16(ILanes a, ILanes b) { return {_mm256_add_epi16(a.lo, b.lo), _mm256_add_epi16(a.hi, b.hi)}; }
+inline ILanes isrl16(ILanes a, int n) { return {_mm256_srli_epi16(a.lo, n), _mm256_srli_epi16(a.hi, n)}; }
+inline ILanes isrl32(ILanes a, int n) { return {_mm256_srli_epi32(a.lo, n), _mm256_srli_epi32(a.hi, n)}; }
+inline ILanes isll32(ILanes a, int n) { return {_mm256_slli_epi32(a.lo, n), _mm256_slli_epi32(a.hi, n)}; }
+inline ILanes isra32(ILanes a, int n) { return {_mm256_srai_epi32(a.lo, n), _mm256_srai_epi32(a.hi, n)}; }
+inline int32_t isum(ILanes a) {
+  const __m256i s = _mm256_add_epi32(a.lo, a.hi);
+  __m128i q = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  q = _mm_add_epi32(q, _mm_shuffle_epi32(q, 0x4E));
+  q = _mm_add_epi32(q, _mm_shuffle_epi32(q, 0xB1));
+  return _mm_cvtsi128_si32(q);
+}
+inline ILanes iwiden8(const uint8_t* p) {
+  return {_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
+}
+inline __m256i narrow_i16(ILanes a) {  // 16 int32 -> 16 int16 in order (packs works within 128-bit halves)
+  return _mm256_permute4x64_epi64(_mm256_packs_epi32(a.lo, a.hi), 0xD8);
+}
+inline void store_i8(int8_t* p, ILanes a, ILanes b) {
+  const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(narrow_i16(a), narrow_i16(b)), 0xD8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bytes);
+}
+inline void store_i16(void* p, ILanes a, ILanes b) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow_i16(a));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p) + 1, narrow_i16(b));
+}
+inline ILanes imul_u8_pairs(ILanes u, ILanes s) {
+  return {_mm256_maddubs_epi16(u.lo, s.lo), _mm256_maddubs_epi16(u.hi, s.hi)};
+}
+inline ILanes imul_i16_pairs(ILanes a, ILanes b) { return {_mm256_madd_epi16(a.lo, b.lo), _mm256_madd_epi16(a.hi, b.hi)}; }
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kNativeDot = true;
+// acc + the sums of 4 products of unsigned bytes u and signed bytes s, per int32 lane (exact)
+inline ILanes idot_u8(ILanes acc, ILanes u, ILanes s) { return {_mm512_dpbusd_epi32(acc.v, u.v, s.v)}; }
+// acc + the sums of 2 products of int16, per int32 lane
+inline ILanes idot_i16(ILanes acc, ILanes a, ILanes b) { return {_mm512_dpwssd_epi32(acc.v, a.v, b.v)}; }
+#else
+constexpr bool kNativeDot = false;
+// exact while each pair of products fits in int16 (unsigned bytes of at most 15 times
+// signed bytes: 2 * 15 * 127 = 3810)
+inline ILanes idot_u8(ILanes acc, ILanes u, ILanes s) {
+  return iadd(acc, imul_i16_pairs(imul_u8_pairs(u, s), iset1(0x00010001)));
+}
+inline ILanes idot_i16(ILanes acc, ILanes a, ILanes b) { return iadd(acc, imul_i16_pairs(a, b)); }
+#endif
+
+// ------------------------------------------------------------------ int4 x int8 panels
+//
+// The same int4 weights, multiplied as integers (`vpdpbusd` with VNNI: 64 products of
+// unsigned 8-bit weights and signed 8-bit activations per instruction) instead of being
+// dequantised to float32: the float path spends 4 FMAs per 64 products and is compute-bound
+// on a fast memory system, where this one is close to memory-bound at one row, and each
+// extra row of a verification pass costs about a quarter as much.
 //
 // Activations are rounded to int8 per row in groups of 32 along k: dx = max|x| / 127,
 // xq = round(x / dx), as llama.cpp does for its 4-bit formats. Over one group the product
@@ -736,10 +903,11 @@ at::Tensor dequantize_int4(const at::Tensor& q, const at::Tensor& scales) {
 // the 16 scales s and 16 offsets z as float16 (one cache line), then 4 x 64 bytes in which
 // dword j of chunk t holds column j's canonical group bytes 4t..4t+3, so its low nibbles
 // are weights 4t..4t+3 and its high nibbles weights 16+4t..16+4t+3. One 64-byte load gives
-// two `vpdpbusd` weight operands; int32 lane j accumulates column j.
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr int64_t kPanelGroupBytes = 64 + 256;    // scales, then nibbles
-constexpr int kPanelRows = 10;                    // rows per tile (the zmm budget is 32)
+// two dot-product weight operands; int32 lane j accumulates column j.
+constexpr int64_t kPanelGroupBytes = 64 + 256;  // scales, then nibbles
+// rows per tile: the register budget is 32 zmm with AVX-512, 16 ymm (holding half as many
+// lanes) with AVX2
+constexpr int kPanelRows = kWideLanes ? 10 : 5;
 // Each thread's stream of panels is fetched stream_prefetch() bytes ahead: the hardware
 // prefetcher alone falls behind once a tile has several rows (9 rows: 1.6 ms -> 3.0 ms per
 // 1.5B layer when this kernel was written).
@@ -751,18 +919,17 @@ struct RoundedRows {  // activations per row in groups of 32: int8 values, dx, d
 };
 
 // One group of 32 activations rounded to integers in [-levels, levels]: dx = max|x| / levels,
-// q = round-half-even(x / dx) in two vectors of 16 int32; returns dx.
-inline float round_group(const float* src, float levels, __m512i& qa, __m512i& qb) {
-  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
-  const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(a, sign), _mm512_and_ps(b, sign)));
+// q = round-half-even(x / dx) in two sets of 16 int32 lanes; returns dx.
+inline float round_group(const float* src, float levels, ILanes& qa, ILanes& qb) {
+  const Lanes a = lload(src), b = lload(src + 16);
+  const float amax = lmaxall(lmax(labs(a), labs(b)));
   const float dx = amax / levels;
-  qa = qb = _mm512_setzero_si512();
+  qa = qb = izero();
   if (amax > 0.0f) {
-    const __m512 d = _mm512_set1_ps(dx), lim = _mm512_set1_ps(levels);
+    const Lanes d = lset1(dx), lim = lset1(levels), neg = lset1(-levels);
     // clamp before converting: x / dx can exceed the limit by a rounding error, never by 0.5
-    qa = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_div_ps(a, d), -lim), lim));
-    qb = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_div_ps(b, d), -lim), lim));
+    qa = lround(lmin(lmax(ldiv(a, d), neg), lim));
+    qb = lround(lmin(lmax(ldiv(b, d), neg), lim));
   }
   return dx;
 }
@@ -775,25 +942,25 @@ RoundedRows round_rows(const float* x, int64_t m, int64_t k) {
   r.dx.resize(m * r.groups);
   r.c.resize(m * r.groups);
   for (int64_t i = 0; i < m * r.groups; ++i) {
-    __m512i qa, qb;
+    ILanes qa, qb;
     const float dx = round_group(x + i * kGroup, 127.0f, qa, qb);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q.data() + i * kGroup), _mm512_cvtepi32_epi8(qa));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q.data() + i * kGroup + 16), _mm512_cvtepi32_epi8(qb));
+    store_i8(r.q.data() + i * kGroup, qa, qb);
     r.dx[i] = dx;
-    r.c[i] = dx * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+    r.c[i] = dx * static_cast<float>(isum(iadd(qa, qb)));
   }
   return r;
 }
 
-inline __m512i broadcast_dword(const int8_t* p) {
+inline ILanes broadcast_dword(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
+  return iset1(v);
 }
 
 // rows [0, R) x the 16 columns of one panel, over all groups. Each row's int32 sums over a
 // group are exact whatever the order; its float accumulator sees the same two
-// multiply-adds per group in every tile, so the result does not depend on R.
+// multiply-adds per group in every tile, so the result does not depend on R (nor on the
+// instruction set: the integer sums are the same, the float work lane by lane the same).
 // Not inlined: each tile size keeps its own register allocation.
 template <int R, int S>
 __attribute__((noinline)) void panel_tile(const IntegerTile& tile, int64_t groups, const RoundedRows& xr, int64_t k,
@@ -802,17 +969,21 @@ __attribute__((noinline)) void panel_tile(const IntegerTile& tile, int64_t group
   const int64_t *col0 = tile.col0, row0 = tile.row0, ahead = tile.ahead;
   float* y = tile.y;
   const float* residual = tile.residual;
-  constexpr int kChains = std::max(1, (R <= 2 ? 4 : (R <= 4 ? 2 : 1)) / S);  // independent int32 sums per row
+  // Independent int32 sums per row with VNNI, so that a row is not held up by the latency
+  // of `vpdpbusd`. Without it, each row sums a group's byte pairs in 16 bits (8 pair sums of
+  // at most 2 * 15 * 127 each: no overflow) and widens them once per group, which takes
+  // half the multiplies of widening every pair sum.
+  constexpr int kChains = kNativeDot ? std::max(1, (R <= 2 ? 4 : (R <= 4 ? 2 : 1)) / S) : 1;
   constexpr int N = S * R;  // row r of panel j at j * R + r
   // With an even number of chains, the low nibbles' products go to the even chains and the
   // high nibbles' to the odd ones. Those may then take each high nibble in place, 16 times
   // its value, saving a shift per line; their sum is divided by 16 once per group (exactly:
   // it is a multiple of 16). Fewer instructions per line read a point more of a fast
-  // memory system's bandwidth.
-  constexpr bool kHighInPlace = kChains % 2 == 0;
-  const __m512i low = _mm512_set1_epi8(15);
-  __m512 acc[N];
-  for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_ps();
+  // memory system's bandwidth. (The 16-bit pair sums without VNNI would overflow.)
+  constexpr bool kHighInPlace = kNativeDot && kChains % 2 == 0;
+  const ILanes low = ibytes(15);
+  Lanes acc[N];
+  for (int i = 0; i < N; ++i) acc[i] = lzero();
   const int8_t* xq = xr.q.data() + row0 * k;
   const float* dx = xr.dx.data() + row0 * groups;
   const float* cx = xr.c.data() + row0 * groups;
@@ -823,50 +994,57 @@ __attribute__((noinline)) void panel_tile(const IntegerTile& tile, int64_t group
       fetch_ahead(p[0], ahead, 5);
     else if (S == 2 && ahead)
       for (int j = 0; j < S; ++j) fetch_ahead(p[j], ahead, 5);
-    __m512i sum[N][kChains];
+    ILanes sum[N][kChains];
     for (int i = 0; i < N; ++i)
-      for (int c = 0; c < kChains; ++c) sum[i][c] = _mm512_setzero_si512();
+      for (int c = 0; c < kChains; ++c) sum[i][c] = izero();
     for (int t = 0; t < 4; ++t)
       for (int j = 0; j < S; ++j) {
-        const __m512i v = _mm512_load_si512(reinterpret_cast<const __m512i*>(p[j] + 64 + 64 * t));
-        const __m512i lo = _mm512_and_si512(v, low);
-        const __m512i hi = kHighInPlace ? _mm512_andnot_si512(low, v) : _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        const ILanes v = iload(p[j] + 64 + 64 * t);
+        const ILanes lo = iand(v, low);
+        const ILanes hi = kHighInPlace ? iandnot(low, v) : iand(isrl16(v, 4), low);
         for (int r = 0; r < R; ++r) {
           const int8_t* xg = xq + r * k + g * kGroup;
-          __m512i& a = sum[j * R + r][(2 * t) % kChains];
-          a = _mm512_dpbusd_epi32(a, lo, broadcast_dword(xg + 4 * t));
-          __m512i& b = sum[j * R + r][(2 * t + 1) % kChains];
-          b = _mm512_dpbusd_epi32(b, hi, broadcast_dword(xg + 16 + 4 * t));
+          if (kNativeDot) {
+            ILanes& a = sum[j * R + r][(2 * t) % kChains];
+            a = idot_u8(a, lo, broadcast_dword(xg + 4 * t));
+            ILanes& b = sum[j * R + r][(2 * t + 1) % kChains];
+            b = idot_u8(b, hi, broadcast_dword(xg + 16 + 4 * t));
+          } else {
+            ILanes& a = sum[j * R + r][0];
+            a = iadd16(a, imul_u8_pairs(lo, broadcast_dword(xg + 4 * t)));
+            a = iadd16(a, imul_u8_pairs(hi, broadcast_dword(xg + 16 + 4 * t)));
+          }
         }
       }
     for (int j = 0; j < S; ++j) {
-      const __m512 s = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p[j])));
-      const __m512 z = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(p[j] + 32)));
+      const Lanes s = lhalves(p[j]), z = lhalves(p[j] + 32);
       for (int r = 0; r < R; ++r) {
-        __m512i total = sum[j * R + r][0];
-        if (kHighInPlace) {
-          __m512i high = sum[j * R + r][1];
+        ILanes total = sum[j * R + r][0];
+        if (!kNativeDot) {
+          total = imul_i16_pairs(total, iset1(0x00010001));  // the 16-bit sums widened
+        } else if (kHighInPlace) {
+          ILanes high = sum[j * R + r][1];
           for (int c = 2; c < kChains; c += 2) {
-            total = _mm512_add_epi32(total, sum[j * R + r][c]);
-            high = _mm512_add_epi32(high, sum[j * R + r][c + 1]);
+            total = iadd(total, sum[j * R + r][c]);
+            high = iadd(high, sum[j * R + r][c + 1]);
           }
-          total = _mm512_add_epi32(total, _mm512_srai_epi32(high, 4));
+          total = iadd(total, isra32(high, 4));
         } else {
-          for (int c = 1; c < kChains; ++c) total = _mm512_add_epi32(total, sum[j * R + r][c]);
+          for (int c = 1; c < kChains; ++c) total = iadd(total, sum[j * R + r][c]);
         }
-        const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(dx[r * groups + g]));
-        __m512& out = acc[j * R + r];
-        out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), sd, out);
-        out = _mm512_fmadd_ps(z, _mm512_set1_ps(cx[r * groups + g]), out);
+        const Lanes sd = lmul(s, lset1(dx[r * groups + g]));
+        Lanes& out = acc[j * R + r];
+        out = lfma(lfloat(total), sd, out);
+        out = lfma(z, lset1(cx[r * groups + g]), out);
       }
     }
   }
   for (int j = 0; j < S; ++j)
     for (int r = 0; r < R; ++r) {
-      __m512 v = acc[j * R + r];
-      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + col0[j]));
-      if (residual) v = _mm512_add_ps(v, _mm512_loadu_ps(residual + r * ldy + col0[j]));
-      _mm512_storeu_ps(y + r * ldy + col0[j], v);
+      Lanes v = acc[j * R + r];
+      if (bias) v = ladd(v, lload(bias + col0[j]));
+      if (residual) v = ladd(v, lload(residual + r * ldy + col0[j]));
+      lstore(y + r * ldy + col0[j], v);
     }
 }
 
@@ -956,10 +1134,7 @@ at::Tensor dequantize_int4_panels(const at::Tensor& panels) {
   });
   return out;
 }
-#endif  // AVX-512 VNNI
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// ------------------------------------------------------------------ panels: float32 / bfloat16 / float16, int8 (AVX-512)
+// ------------------------------------------------------------------ panels: float32 / bfloat16 / float16, int8
 //
 // The same products as `linear_float` and `linear_int8`, on weights rearranged so that
 // each thread reads one sequential stream. Row-major weights make a tile of 4 columns
@@ -973,24 +1148,24 @@ at::Tensor dequantize_int4_panels(const at::Tensor& panels) {
 // Each row keeps 4 float accumulators, input kk going to accumulator kk % 4, summed as
 // (a0 + a1) + (a2 + a3) at the end: the same order in every tile, so the result does not
 // depend on how many rows share the call.
-constexpr int kFloatPanelRows = 6;  // 4 accumulators per row: 24 of the 32 zmm registers
+constexpr int kFloatPanelRows = kWideLanes ? 6 : 2;  // 4 accumulators per row: 24 of the 32 zmm, 16 of the 16 ymm
 
 struct PanelF32 {
   static constexpr int kPerLine = 1;
-  static void unpack(__m512i v, __m512* w) { w[0] = _mm512_castsi512_ps(v); }
+  static void unpack(ILanes v, Lanes* w) { w[0] = lbits(v); }
 };
 struct PanelBF16 {  // dword j: column j's input 2t in the low half, 2t+1 in the high half
   static constexpr int kPerLine = 2;
-  static void unpack(__m512i v, __m512* w) {
-    w[0] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-    w[1] = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  static void unpack(ILanes v, Lanes* w) {
+    w[0] = lbits(isll32(v, 16));
+    w[1] = lbits(iand(v, iset1(static_cast<int32_t>(0xFFFF0000u))));
   }
 };
 struct PanelF16 {
   static constexpr int kPerLine = 2;
-  static void unpack(__m512i v, __m512* w) {
-    w[0] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v));
-    w[1] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
+  static void unpack(ILanes v, Lanes* w) {
+    w[0] = lhalves_low(v);
+    w[1] = lhalves_low(isrl32(v, 16));
   }
 };
 
@@ -1001,28 +1176,28 @@ __attribute__((noinline)) void float_panel_tile(const uint8_t* panel, int64_t k,
                                                 int64_t ldy, int64_t col0, const float* bias, const float* residual,
                                                 const uint8_t* fetch_end, int64_t ahead) {
   constexpr int L = P::kPerLine, kLinesPerStep = 4 / L;  // one step: 4 inputs, one per accumulator
-  __m512 a0[R], a1[R], a2[R], a3[R];
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = a2[r] = a3[r] = _mm512_setzero_ps();
+  Lanes a0[R], a1[R], a2[R], a3[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = a2[r] = a3[r] = lzero();
   for (int64_t kk = 0; kk < k; kk += 4) {
     const uint8_t* line = panel + kk / L * 64;
     if (fetch_end && line + ahead < fetch_end)
       for (int l = 0; l < kLinesPerStep; ++l)
         _mm_prefetch(reinterpret_cast<const char*>(line + ahead + 64 * l), _MM_HINT_T0);
-    __m512 w[4];
-    for (int l = 0; l < kLinesPerStep; ++l) P::unpack(_mm512_loadu_si512(line + 64 * l), w + l * L);
+    Lanes w[4];
+    for (int l = 0; l < kLinesPerStep; ++l) P::unpack(iload(line + 64 * l), w + l * L);
     for (int r = 0; r < R; ++r) {
       const float* xr = x + r * k + kk;
-      a0[r] = _mm512_fmadd_ps(w[0], _mm512_set1_ps(xr[0]), a0[r]);
-      a1[r] = _mm512_fmadd_ps(w[1], _mm512_set1_ps(xr[1]), a1[r]);
-      a2[r] = _mm512_fmadd_ps(w[2], _mm512_set1_ps(xr[2]), a2[r]);
-      a3[r] = _mm512_fmadd_ps(w[3], _mm512_set1_ps(xr[3]), a3[r]);
+      a0[r] = lfma(w[0], lset1(xr[0]), a0[r]);
+      a1[r] = lfma(w[1], lset1(xr[1]), a1[r]);
+      a2[r] = lfma(w[2], lset1(xr[2]), a2[r]);
+      a3[r] = lfma(w[3], lset1(xr[3]), a3[r]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    __m512 v = _mm512_add_ps(_mm512_add_ps(a0[r], a1[r]), _mm512_add_ps(a2[r], a3[r]));
-    if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + col0));
-    if (residual) v = _mm512_add_ps(v, _mm512_loadu_ps(residual + r * ldy + col0));
-    _mm512_storeu_ps(y + r * ldy + col0, v);
+    Lanes v = ladd(ladd(a0[r], a1[r]), ladd(a2[r], a3[r]));
+    if (bias) v = ladd(v, lload(bias + col0));
+    if (residual) v = ladd(v, lload(residual + r * ldy + col0));
+    lstore(y + r * ldy + col0, v);
   }
 }
 
@@ -1033,37 +1208,36 @@ __attribute__((noinline)) void float_panel_pair(const uint8_t* pa, const uint8_t
                                                 float* y, int64_t col_a, int64_t col_b, const float* bias,
                                                 const float* residual, int64_t ahead) {
   constexpr int L = P::kPerLine, kLinesPerStep = 4 / L;
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  Lanes a0 = lzero(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
   for (int64_t kk = 0; kk < k; kk += 4) {
     const uint8_t *la = pa + kk / L * 64, *lb = pb + kk / L * 64;
     if (ahead) {
       fetch_ahead(la, ahead, kLinesPerStep);
       fetch_ahead(lb, ahead, kLinesPerStep);
     }
-    __m512 wa[4], wb[4];
+    Lanes wa[4], wb[4];
     for (int l = 0; l < kLinesPerStep; ++l) {
-      P::unpack(_mm512_loadu_si512(la + 64 * l), wa + l * L);
-      P::unpack(_mm512_loadu_si512(lb + 64 * l), wb + l * L);
+      P::unpack(iload(la + 64 * l), wa + l * L);
+      P::unpack(iload(lb + 64 * l), wb + l * L);
     }
-    const __m512 x0 = _mm512_set1_ps(x[kk]), x1 = _mm512_set1_ps(x[kk + 1]);
-    const __m512 x2 = _mm512_set1_ps(x[kk + 2]), x3 = _mm512_set1_ps(x[kk + 3]);
-    a0 = _mm512_fmadd_ps(wa[0], x0, a0);
-    a1 = _mm512_fmadd_ps(wa[1], x1, a1);
-    a2 = _mm512_fmadd_ps(wa[2], x2, a2);
-    a3 = _mm512_fmadd_ps(wa[3], x3, a3);
-    b0 = _mm512_fmadd_ps(wb[0], x0, b0);
-    b1 = _mm512_fmadd_ps(wb[1], x1, b1);
-    b2 = _mm512_fmadd_ps(wb[2], x2, b2);
-    b3 = _mm512_fmadd_ps(wb[3], x3, b3);
+    const Lanes x0 = lset1(x[kk]), x1 = lset1(x[kk + 1]);
+    const Lanes x2 = lset1(x[kk + 2]), x3 = lset1(x[kk + 3]);
+    a0 = lfma(wa[0], x0, a0);
+    a1 = lfma(wa[1], x1, a1);
+    a2 = lfma(wa[2], x2, a2);
+    a3 = lfma(wa[3], x3, a3);
+    b0 = lfma(wb[0], x0, b0);
+    b1 = lfma(wb[1], x1, b1);
+    b2 = lfma(wb[2], x2, b2);
+    b3 = lfma(wb[3], x3, b3);
   }
   const int64_t cols[2] = {col_a, col_b};
-  const __m512 sums[2] = {_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
-                          _mm512_add_ps(_mm512_add_ps(b0, b1), _mm512_add_ps(b2, b3))};
+  const Lanes sums[2] = {ladd(ladd(a0, a1), ladd(a2, a3)), ladd(ladd(b0, b1), ladd(b2, b3))};
   for (int j = 0; j < 2; ++j) {
-    __m512 v = sums[j];
-    if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + cols[j]));
-    if (residual) v = _mm512_add_ps(v, _mm512_loadu_ps(residual + cols[j]));
-    _mm512_storeu_ps(y + cols[j], v);
+    Lanes v = sums[j];
+    if (bias) v = ladd(v, lload(bias + cols[j]));
+    if (residual) v = ladd(v, lload(residual + cols[j]));
+    lstore(y + cols[j], v);
   }
 }
 
@@ -1110,8 +1284,8 @@ at::Tensor linear_float_panels(const at::Tensor& x, const at::Tensor& panels, co
   return y;
 }
 
-#if defined(__AVX512VNNI__)
-// int8 weights x activations in 16-bit fixed point (`vpdpwssd`, 32 products per instruction).
+// int8 weights x activations in 16-bit fixed point (`vpdpwssd` with VNNI, 32 products per
+// instruction; `vpmaddwd` without).
 //
 // Converting int8 weights to float32 costs 4 shifts, 4 conversions and, per row, 4 FMAs
 // per 64 weights: a 5-row verification pass was compute-bound at half the bandwidth.
@@ -1120,12 +1294,12 @@ at::Tensor linear_float_panels(const at::Tensor& x, const at::Tensor& panels, co
 // value, a hundred times finer than bfloat16's rounding, so the format stays weight-only
 // in effect. Each 64-byte line holds inputs 4t, 4t+1 of 16 columns in its first half and
 // 4t+2, 4t+3 in its second (`quant.to_panels`): one `vpmovsxbw` per half loads and widens
-// its weights to 16-bit pairs, and two `vpdpwssd` per row add them times the matching
+// its weights to 16-bit pairs, and two dot products per row add them times the matching
 // activation pairs. (The line used to hold each column's four inputs together, which took
 // three shifts to pair up: more instructions per byte, so fewer lines in flight.) A group's int32 sums are exact (32 products of at most
 // 2^15 * 2^7), and each row's float accumulator sees one multiply-add per group in every
 // tile, so rows stay bit-identical whatever m is.
-constexpr int kInt8PanelRows = 10;
+constexpr int kInt8PanelRows = kWideLanes ? 10 : 5;
 
 struct Int16Rows {  // per row: k/2 dwords (pairs of int16: inputs (2i, 2i+1)), dx per group
   std::vector<int32_t> pairs;
@@ -1139,11 +1313,9 @@ Int16Rows round_rows_int16(const float* x, int64_t m, int64_t k) {
   r.pairs.resize(m * k / 2);
   r.dx.resize(m * groups);
   for (int64_t i = 0; i < m * groups; ++i) {
-    __m512i qa, qb;
+    ILanes qa, qb;
     const float dx = round_group(x + i * kGroup, 32767.0f, qa, qb);
-    auto* dst = reinterpret_cast<__m256i*>(r.pairs.data() + i * (kGroup / 2));
-    _mm256_storeu_si256(dst, _mm512_cvtepi32_epi16(qa));
-    _mm256_storeu_si256(dst + 1, _mm512_cvtepi32_epi16(qb));
+    store_i16(r.pairs.data() + i * (kGroup / 2), qa, qb);
     r.dx[i] = dx;
   }
   return r;
@@ -1158,52 +1330,51 @@ __attribute__((noinline)) void int8_panel_tile(const IntegerTile& tile, int64_t 
   float* y = tile.y;
   const float* residual = tile.residual;
   // independent int32 sums per row, so that one row is not held up by the latency of
-  // `vpdpwssd` (int32 sums are exact, so their number does not change the result)
-  constexpr int kChains = std::max(1, (R == 1 ? 8 : (R == 2 ? 4 : (R <= 5 ? 2 : 1))) / S);
+  // `vpdpwssd` (int32 sums are exact, so their number does not change the result); without
+  // VNNI only an addition carries from one line to the next
+  constexpr int kChains = kNativeDot ? std::max(1, (R == 1 ? 8 : (R == 2 ? 4 : (R <= 5 ? 2 : 1))) / S) : 1;
   constexpr int N = S * R;  // sums for row r of panel j at j * R + r
   const int64_t groups = k / kGroup;
-  __m512 acc[N];
-  for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_ps();
+  Lanes acc[N];
+  for (int i = 0; i < N; ++i) acc[i] = lzero();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* lines[S];
     for (int j = 0; j < S; ++j) lines[j] = panel[j] + g * kGroup * kPanel;
     const bool fetch = fetch_end && lines[0] + ahead + 512 <= fetch_end, fetch_pair = S == 2 && ahead;
-    __m512i s0[N], s1[N], s2[N], s3[N], s4[N], s5[N], s6[N], s7[N];
-    __m512i* sums[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
+    ILanes s0[N], s1[N], s2[N], s3[N], s4[N], s5[N], s6[N], s7[N];
+    ILanes* sums[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
     for (int c = 0; c < kChains; ++c)
-      for (int i = 0; i < N; ++i) sums[c][i] = _mm512_setzero_si512();
+      for (int i = 0; i < N; ++i) sums[c][i] = izero();
 #pragma GCC unroll 8
     for (int t = 0; t < kGroup / 4; ++t) {
       if (fetch) _mm_prefetch(reinterpret_cast<const char*>(lines[0] + ahead + 64 * t), _MM_HINT_T0);
       if (fetch_pair)
         for (int j = 0; j < S; ++j) fetch_ahead(lines[j] + 64 * t, ahead, 1);
       for (int j = 0; j < S; ++j) {
-        const __m512i first = _mm512_cvtepi8_epi16(  // inputs 4t, 4t+1
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lines[j] + 64 * t)));
-        const __m512i second = _mm512_cvtepi8_epi16(  // inputs 4t+2, 4t+3
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lines[j] + 64 * t + 32)));
+        const ILanes first = iwiden8(lines[j] + 64 * t);        // inputs 4t, 4t+1
+        const ILanes second = iwiden8(lines[j] + 64 * t + 32);  // inputs 4t+2, 4t+3
         for (int r = 0; r < R; ++r) {
           const int32_t* xp = xr.pairs.data() + (row0 + r) * (k / 2) + g * (kGroup / 2) + 2 * t;
-          __m512i& a = sums[(2 * t) % kChains][j * R + r];
-          a = _mm512_dpwssd_epi32(a, first, _mm512_set1_epi32(xp[0]));
-          __m512i& b = sums[(2 * t + 1) % kChains][j * R + r];
-          b = _mm512_dpwssd_epi32(b, second, _mm512_set1_epi32(xp[1]));
+          ILanes& a = sums[(2 * t) % kChains][j * R + r];
+          a = idot_i16(a, first, iset1(xp[0]));
+          ILanes& b = sums[(2 * t + 1) % kChains][j * R + r];
+          b = idot_i16(b, second, iset1(xp[1]));
         }
       }
     }
     for (int i = 0; i < N; ++i) {
-      __m512i total = s0[i];
-      for (int c = 1; c < kChains; ++c) total = _mm512_add_epi32(total, sums[c][i]);
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(xr.dx[(row0 + i % R) * groups + g]), acc[i]);
+      ILanes total = s0[i];
+      for (int c = 1; c < kChains; ++c) total = iadd(total, sums[c][i]);
+      acc[i] = lfma(lfloat(total), lset1(xr.dx[(row0 + i % R) * groups + g]), acc[i]);
     }
   }
   for (int j = 0; j < S; ++j) {
-    const __m512 s = _mm512_loadu_ps(scale + col0[j]);
+    const Lanes s = lload(scale + col0[j]);
     for (int r = 0; r < R; ++r) {
-      __m512 v = _mm512_mul_ps(acc[j * R + r], s);
-      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + col0[j]));
-      if (residual) v = _mm512_add_ps(v, _mm512_loadu_ps(residual + r * ldy + col0[j]));
-      _mm512_storeu_ps(y + r * ldy + col0[j], v);
+      Lanes v = lmul(acc[j * R + r], s);
+      if (bias) v = ladd(v, lload(bias + col0[j]));
+      if (residual) v = ladd(v, lload(residual + r * ldy + col0[j]));
+      lstore(y + r * ldy + col0[j], v);
     }
   }
 }
@@ -1235,14 +1406,14 @@ at::Tensor linear_int8_panels(const at::Tensor& x, const at::Tensor& panels, con
 // Each output holds an OR of its panel's bytes, so no read can be left out.
 template <int S>
 __attribute__((noinline)) void read_panel_lines(const IntegerTile& tile, int64_t k) {
-  __m512i seen[S];
-  for (int j = 0; j < S; ++j) seen[j] = _mm512_setzero_si512();
+  ILanes seen[S];
+  for (int j = 0; j < S; ++j) seen[j] = izero();
   for (int64_t line = 0; line < k * kPanel / 64; ++line)
     for (int j = 0; j < S; ++j) {
       if (S == 2 && tile.ahead) fetch_ahead(tile.panel[j] + 64 * line, tile.ahead, 1);
-      seen[j] = _mm512_or_si512(seen[j], _mm512_loadu_si512(tile.panel[j] + 64 * line));
+      seen[j] = ior(seen[j], iload(tile.panel[j] + 64 * line));
     }
-  for (int j = 0; j < S; ++j) _mm512_storeu_si512(tile.y + tile.col0[j], seen[j]);
+  for (int j = 0; j < S; ++j) istore(tile.y + tile.col0[j], seen[j]);
 }
 
 at::Tensor read_int8_panels(const at::Tensor& panels) {
@@ -1258,8 +1429,6 @@ at::Tensor read_int8_panels(const at::Tensor& panels) {
   });
   return y;
 }
-#endif  // AVX-512 VNNI
-#endif  // AVX-512
 
 // ------------------------------------------------------------------ pointwise
 
@@ -1655,19 +1824,15 @@ ProductFn product_kernel(const std::string& name, size_t tensors) {
                             const c10::optional<at::Tensor>& r) { return linear_int8(x, w[0], w[1], b, r); }},
       {"linear_int4", 2, [](const at::Tensor& x, const std::vector<at::Tensor>& w, const c10::optional<at::Tensor>& b,
                             const c10::optional<at::Tensor>& r) { return linear_int4(x, w[0], w[1], b, r); }},
-#if defined(__AVX512F__) && defined(__AVX512BW__)
       {"linear_float_panels", 1, [](const at::Tensor& x, const std::vector<at::Tensor>& w,
                                     const c10::optional<at::Tensor>& b, const c10::optional<at::Tensor>& r) {
          return linear_float_panels(x, w[0], b, r); }},
-#endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
       {"linear_int8_panels", 2, [](const at::Tensor& x, const std::vector<at::Tensor>& w,
                                    const c10::optional<at::Tensor>& b, const c10::optional<at::Tensor>& r) {
          return linear_int8_panels(x, w[0], w[1], b, r); }},
       {"linear_int4_panels", 1, [](const at::Tensor& x, const std::vector<at::Tensor>& w,
                                    const c10::optional<at::Tensor>& b, const c10::optional<at::Tensor>& r) {
          return linear_int4_panels(x, w[0], b, r); }},
-#endif
   };
   for (const Entry& e : entries)
     if (name == e.name) {
@@ -1725,24 +1890,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int8", &linear_int8, "x @ (w * scale[:, None]).T (+ bias) (+ residual)");
   m.def("linear_int4", &linear_int4, "x @ dequant(q, scales).T (+ bias) (+ residual)");
   m.def("dequantize_int4", &dequantize_int4, "the float32 weights of the int4 format");
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   m.def("linear_int4_panels", &linear_int4_panels,
         "x @ dequant(panels).T (+ bias) (+ residual), activations rounded to int8 per group of 32");
   m.def("int4_to_panels", &int4_to_panels, "(nibbles, scales) -> the panel layout of linear_int4_panels");
   m.def("dequantize_int4_panels", &dequantize_int4_panels, "the float32 weights of the panel layout");
   m.attr("int4_panel") = kPanel;
-#endif
-#if defined(__AVX512F__) && defined(__AVX512BW__)
   m.def("linear_float_panels", &linear_float_panels,
         "x @ W.T (+ bias) (+ residual) for float W in the panel layout [n/16, k/L, 16, L]");
-#if defined(__AVX512VNNI__)
   m.def("read_int8_panels", &read_int8_panels,
         "int8 panels read as a one-row product reads them, without its arithmetic (a benchmark's yardstick)");
   m.def("linear_int8_panels", &linear_int8_panels,
         "x @ (W * scale[:, None]).T (+ bias) (+ residual), int8 W in panels [n/16, k/4, 16, 4], "
         "activations in 16-bit fixed point per group of 32");
-#endif
-#endif
   m.def("silu_mul", &silu_mul, "silu(gate) * up for [gate | up] rows");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("attention", &attention, "rotary + cache write + causal attention for a few positions");
