@@ -20,15 +20,12 @@ import sys
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 
-from perf_common import load_pair, save, verdict
+from perf_common import add_pair_arguments, load_pair, save, verdict
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--weights", default="int8")
-    parser.add_argument("--draft-weights", default="int4")
+    add_pair_arguments(parser)
     parser.add_argument("--categories", nargs="+", default=["coding", "translation"])
     parser.add_argument("--lags", type=int, nargs="+", default=[32, 16, 8])
     parser.add_argument("--prompts", type=int, default=3, help="prompts per category")

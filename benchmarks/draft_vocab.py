@@ -20,7 +20,7 @@ import sys
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 
-from perf_common import load_pair, save
+from perf_common import add_pair_arguments, load_pair, save
 
 
 def run(target, prompt: str, tokens: int, **options):
@@ -59,10 +59,7 @@ def compare(target, draft, prompts, limits, gamma: int, tokens: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--weights", default="int8")
-    parser.add_argument("--draft-weights", default="int4")
+    add_pair_arguments(parser)
     parser.add_argument("--categories", nargs="+", default=["coding", "math_reasoning", "translation"])
     parser.add_argument("--limits", type=int, nargs="+", default=[32768, 65536])
     parser.add_argument("--gamma", type=int, default=5)

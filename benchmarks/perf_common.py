@@ -150,6 +150,14 @@ def free(*objects) -> None:
     gc.collect()
 
 
+def add_pair_arguments(parser, weights_help: str | None = None) -> None:
+    """The options `load_pair` reads: the demo pair, the target in int8 and the draft in int4."""
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--weights", default="int8", help=weights_help)
+    parser.add_argument("--draft-weights", default="int4")
+
+
 def load_pair(args, title: str, details: str):
     """The target and draft that args name (.target, .weights, .draft, .draft_weights),
     after a header line; and the fields every record of the pair starts with."""

@@ -17,7 +17,7 @@ import sys
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 
-from perf_common import load_pair, save, verdict
+from perf_common import add_pair_arguments, load_pair, save, verdict
 
 
 def run(target, prompt: str, tokens: int, **options):
@@ -63,12 +63,9 @@ def adaptive_ratios(target, draft, prompts, tokens, gamma):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--weights", default="int8",
-                        help="target weight format, the same in both runs (int8: its verification passes are "
-                             "nearly free; int4 decodes faster alone but its passes are compute-bound here)")
-    parser.add_argument("--draft-weights", default="int4")
+    add_pair_arguments(parser, "target weight format, the same in both runs (int8: its verification passes are "
+                               "nearly free on AVX-512 hosts; int4 decodes faster alone but its passes are "
+                               "compute-bound)")
     parser.add_argument("--categories", nargs="+", default=["coding", "math_reasoning"])
     parser.add_argument("--gammas", type=int, nargs="+", default=None)
     parser.add_argument("--prompts", type=int, default=None, help="prompts per category")
