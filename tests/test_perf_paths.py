@@ -907,3 +907,39 @@ def test_reading_in_pieces_reads_the_same_bytes_in_place_and_continuous():
     assert k.stream_pieces(ones, 8, True) == k.stream_pieces(ones, 8, False) == ones.numel() + 999.0
     with pytest.raises(RuntimeError, match="too many pieces"):
         k.stream_pieces(torch.ones(64), 3)
+
+
+def test_adaptive_split_accounts_for_every_pass_and_its_trials_keep_the_output(folder, monkeypatch):
+    """benchmarks/adaptive_split.py times --adaptive's target passes, draft steps and catch-up
+    reading apart, and tries ways the engine does not carry: each must give the plain output,
+    and the parts must fit within the decoding time they split."""
+    import importlib
+
+    from verispec.generate import READY_LAG
+    from verispec.sampling import SamplingParams
+    from verispec.spec.draft_model import DraftModelProposer
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    adaptive_split = importlib.import_module("adaptive_split")
+    target = load_model(folder)
+    prompt = "the cat sat on the mat. " * 4  # longer than READY_LAG tokens
+    records = adaptive_split.requests(target, target, prompt, 30, 4, ["current", "first-look", "light-prior"])
+    for name, r in records.items():
+        assert r["valid"], name
+        assert r["spec_rounds"] >= 1, name  # the first probe, at least
+        assert r["plain_rounds"] + r["spec_rounds"] <= r["tokens"] - 1 <= r["plain_rounds"] + r["spec_tokens"], name
+        assert r["other_s"] >= 0 and r["catch_ups"] >= 1, name
+    assert records["current"]["catch_up_read"] == READY_LAG - 1  # all but the token its first draft step feeds
+
+    # first-look reads FIRST_LOOK positions, and once a draft is kept the last READY_LAG afresh
+    proposer = adaptive_split.FirstLookProposer(DraftModelProposer(target))
+    context = target.tokenizer.encode(prompt)
+    proposer.start(context, len(context) + 8, prefill=False)
+    proposer.catch_up(context, READY_LAG)
+    assert proposer.catch_ups[-1][1] == adaptive_split.FIRST_LOOK - 1 and proposer.lag(context) == 1
+    drafts = proposer.propose(context, 2, SamplingParams(), None).tokens
+    proposer.commit(len(context) + 1)  # the target kept the first draft and chose the next token
+    context = context + [drafts[0], drafts[0]]
+    assert proposer.lag(context) > 2  # generate() catches up before the next round
+    proposer.catch_up(context, READY_LAG)
+    assert proposer.catch_ups[-1][1] == READY_LAG - 1 and proposer.inner.offset == len(context) - READY_LAG

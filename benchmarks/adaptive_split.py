@@ -1,0 +1,238 @@
+"""Where --adaptive's time goes, request by request, against plain decoding of the same prompt.
+
+    python benchmarks/adaptive_split.py                                  # summarization, translation, qa
+    python benchmarks/adaptive_split.py --categories extraction --prompts 5
+
+--adaptive promises never to be much slower than plain decoding (target 5). When it is, the
+loss lies in one of four places, which this script times apart for each request:
+
+    plain      the target's one-position steps while the policy decodes plainly
+    verify     the target's passes over γ+1 positions in speculative rounds
+    draft      the draft's steps in those rounds
+    catch-up   the draft reading context it skipped, before its first round and before probes
+
+and compares them with what the same tokens cost plain decoding (its forward passes, timed
+the same way in plain runs of the same prompt just before and after). `gain` is the tokens
+the speculative rounds produced times the plain pass, less what those rounds cost (verify +
+draft); `steps+` is what the plain steps cost beyond the plain runs' passes. Every --adaptive
+output must equal the plain output (VALID).
+
+With --variants, each prompt is decoded with --adaptive in several ways between the same two
+plain runs: `current` (the engine as it is), and two trials the engine does not carry:
+`first-look` (the draft reads only the last FIRST_LOOK positions before drafting until the
+target keeps one of its drafts, then the last READY_LAG afresh: a failed probe costs a short
+pass) and `light-prior` (the policy's prior on α worth one round, not two: after a first
+round whose drafts were all rejected, α = 0.3 instead of 0.4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from contextlib import contextmanager
+
+import verispec  # noqa: F401  (first: it sets how torch's threads wait)
+
+from perf_common import add_pair_arguments, load_pair, save, verdict
+
+
+class TimedModel:
+    """The target's model, with each call's positions and seconds recorded."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, []
+
+    def __call__(self, ids, cache, **options):
+        started = time.perf_counter()
+        out = self.model(ids, cache, **options)
+        self.calls.append((ids.shape[1], time.perf_counter() - started))
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+class TimedProposer:
+    """A draft model proposer, with its drafting and its catch-up reading timed apart."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, inner.name
+        self.proposals: list[tuple[int, float]] = []  # (γ asked for, seconds)
+        self.catch_ups: list[tuple[int, int, float]] = []  # (positions behind, positions read, seconds)
+
+    def start(self, prompt_ids, max_len, **options):
+        self.inner.start(prompt_ids, max_len, **options)
+
+    def lag(self, context):
+        return self.inner.lag(context)
+
+    def catch_up(self, context, window):
+        behind, offset, length = self.inner.lag(context), self.inner.offset, self.inner.cache.length
+        started = time.perf_counter()
+        self.inner.catch_up(context, window)
+        seconds = time.perf_counter() - started
+        read = self.inner.cache.length - (length if self.inner.offset == offset else 0)
+        self.catch_ups.append((behind, read, seconds))
+
+    def propose(self, context, gamma, params, generator):
+        started = time.perf_counter()
+        proposal = self.inner.propose(context, gamma, params, generator)
+        self.proposals.append((gamma, time.perf_counter() - started))
+        return proposal
+
+    def commit(self, length):
+        self.inner.commit(length)
+
+
+FIRST_LOOK = 8
+
+
+class FirstLookProposer(TimedProposer):
+    """The `first-look` trial: until the target has kept one of its drafts, the draft reads
+    only the last FIRST_LOOK positions of the context; then the last READY_LAG afresh."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.kept_any, self.proposed_at = False, 0
+
+    def _narrow(self, context) -> bool:
+        """Kept a draft, but has read less than the last READY_LAG positions."""
+        from verispec.generate import READY_LAG
+
+        offset = self.inner.offset
+        return self.kept_any and offset > 0 and len(context) - offset < READY_LAG
+
+    def lag(self, context):
+        return max(self.inner.lag(context), 3 if self._narrow(context) else 0)  # > 2: generate() catches up
+
+    def catch_up(self, context, window):
+        if self._narrow(context):  # start over on the last `window` positions
+            self.inner.offset = max(0, len(context) - window)
+            self.inner.cache.rollback(0)
+        super().catch_up(context, window if self.kept_any else FIRST_LOOK)
+
+    def propose(self, context, gamma, params, generator):
+        self.proposed_at = len(context)
+        return super().propose(context, gamma, params, generator)
+
+    def commit(self, length):
+        self.kept_any |= length > self.proposed_at > 0
+        self.proposed_at = 0
+        super().commit(length)
+
+
+@contextmanager
+def policy(variant: str):
+    """The γ policy generate() makes: as it is, or with the `light-prior` trial's prior."""
+    import verispec.generate as generation
+    from verispec.spec.gamma import CostAwareGamma
+
+    saved = generation.make_policy
+    if variant == "light-prior":
+        generation.make_policy = lambda gamma, adaptive: CostAwareGamma(max_gamma=max(gamma, 16), prior_weight=1.0)
+    try:
+        yield
+    finally:
+        generation.make_policy = saved
+
+
+def timed_run(target, prompt: str, **options):
+    """generate(), with the target's forward passes timed: (result, [(positions, seconds)])."""
+    from verispec.generate import generate
+
+    timed, original = TimedModel(target.model), target.model
+    target.model = timed
+    try:
+        return generate(target, prompt, chat=True, **options), timed.calls[1:]  # the first call is the prefill
+    finally:
+        target.model = original
+
+
+def split(plain_runs: list, run, passes: list, proposer: TimedProposer) -> dict:
+    """One --adaptive request's time, split, against plain runs [(result, passes), ...] of its prompt."""
+    plain_s = sum(r.timings.decode_s for r, _ in plain_runs) / len(plain_runs)
+    plain_pass_s = sum(s for _, calls in plain_runs for _, s in calls) / sum(len(calls) for _, calls in plain_runs)
+    gammas = run.spec.gammas[1:]
+    plain_steps = [s for (m, s), g in zip(passes, gammas) if g == 0]
+    verify = [s for (m, s), g in zip(passes, gammas) if g > 0]
+    spec_tokens = run.spec.accepted + len(verify)  # kept drafts and one target token a round
+    record = {
+        "prompt_tokens": run.prompt_tokens, "tokens": len(run.token_ids), "plain_s": plain_s,
+        "adaptive_s": run.timings.decode_s, "ratio": plain_s / run.timings.decode_s,
+        "valid": all(run.token_ids == r.token_ids for r, _ in plain_runs),
+        "plain_pass_s": plain_pass_s, "plain_rounds": len(plain_steps), "plain_rounds_s": sum(plain_steps),
+        "spec_rounds": len(verify), "verify_s": sum(verify),
+        "draft_s": sum(s for _, s in proposer.proposals), "drafted": run.spec.drafted, "accepted": run.spec.accepted,
+        "spec_tokens": spec_tokens,
+        "catch_ups": len(proposer.catch_ups), "catch_up_s": sum(s for _, _, s in proposer.catch_ups),
+        "catch_up_read": sum(n for _, n, _ in proposer.catch_ups),
+    }
+    record["other_s"] = record["adaptive_s"] - record["plain_rounds_s"] - record["verify_s"] - record["draft_s"] \
+        - record["catch_up_s"]
+    record["gain_s"] = spec_tokens * plain_pass_s - record["verify_s"] - record["draft_s"]
+    record["plain_extra_s"] = record["plain_rounds_s"] - len(plain_steps) * plain_pass_s
+    return record
+
+
+def requests(target, draft, prompt: str, tokens: int, gamma: int, variants: list[str]) -> dict[str, dict]:
+    """One prompt: plain, --adaptive in each variant (timed apart), plain again."""
+    from verispec.spec.draft_model import DraftModelProposer
+
+    before = timed_run(target, prompt, max_tokens=tokens)
+    runs = {}
+    for name in variants:
+        proposer = (FirstLookProposer if name == "first-look" else TimedProposer)(DraftModelProposer(draft))
+        with policy(name):
+            result, passes = timed_run(target, prompt, max_tokens=tokens, draft=proposer, gamma=gamma,
+                                       adaptive="cost")
+        runs[name] = (result, passes, proposer)
+    after = timed_run(target, prompt, max_tokens=tokens)
+    return {name: split([before, after], *run) for name, run in runs.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_pair_arguments(parser)
+    parser.add_argument("--categories", nargs="+", default=["summarization", "translation", "qa"])
+    parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--gamma", type=int, default=8, help="the γ passed with --adaptive (as speedup.py)")
+    parser.add_argument("--variants", nargs="+", default=["current"], choices=["current", "first-look", "light-prior"])
+    parser.add_argument("--out", default="adaptive_split")
+    args = parser.parse_args()
+
+    from verispec.lab.prompts import load_prompts
+
+    target, draft, record = load_pair(args, "where --adaptive's time goes", f"{args.tokens} tokens")
+    record.update(tokens=args.tokens, variants=args.variants, requests=[])
+    ms = lambda s: f"{1e3 * s:6.0f}"  # noqa: E731
+    print(f"  {'category':>14} {'variant':>7} {'prompt':>6} {'out':>4} {'ratio':>6} | {'plain':>6} | "
+          f"{'steps':>11} {'spec rounds':>12} {'verify':>6} {'draft':>6} {'catch-up':>13} {'other':>6} | "
+          f"{'gain':>6} {'steps+':>6}  (ms; kept/drafted; catch-ups x positions read)")
+    for category in args.categories:
+        for prompt in load_prompts(f"spec-bench:{category}", limit=args.prompts):
+            for name, r in requests(target, draft, prompt.text, args.tokens, args.gamma, args.variants).items():
+                r.update(category=category, variant=name)
+                record["requests"].append(r)
+                print(f"  {category:>14} {name:>7} {r['prompt_tokens']:>6} {r['tokens']:>4} {r['ratio']:>5.2f}x | "
+                      f"{ms(r['plain_s'])} | {r['plain_rounds']:>4} {ms(r['plain_rounds_s'])} {r['spec_rounds']:>4} "
+                      f"{r['accepted']:>3}/{r['drafted']:<3} {ms(r['verify_s'])} {ms(r['draft_s'])} "
+                      f"{r['catch_ups']:>2}x{r['catch_up_read']:>4} {ms(r['catch_up_s'])} {ms(r['other_s'])} | "
+                      f"{ms(r['gain_s'])} {ms(r['plain_extra_s'])}  {'VALID' if r['valid'] else 'INVALID'}")
+    for category in args.categories:
+        for name in args.variants:
+            rows = [r for r in record["requests"] if r["category"] == category and r["variant"] == name]
+            plain, adaptive = sum(r["plain_s"] for r in rows), sum(r["adaptive_s"] for r in rows)
+            print(verdict(f"--adaptive ({name}), {category}",
+                          f"{plain / adaptive:.3f}x of plain over {len(rows)} requests, "
+                          f"{'all VALID' if all(r['valid'] for r in rows) else 'some INVALID'}; speculative rounds "
+                          f"gained {1e3 * sum(r['gain_s'] for r in rows):.0f} ms, catch-up reading cost "
+                          f"{1e3 * sum(r['catch_up_s'] for r in rows):.0f} ms, plain steps "
+                          f"{1e3 * sum(r['plain_extra_s'] for r in rows):+.0f} ms against plain decoding's", None))
+    save(args.out, record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
