@@ -111,7 +111,7 @@ def main() -> int:
             print(f"  adaptive {category:>15}: {r['ratio']:.2f}x of plain  {'VALID' if r['valid'] else 'INVALID'}")
         met5 = worst[1]["ratio"] >= 0.95 and all(r["valid"] for r in ratios.values())
         print(verdict("5 never slower with --adaptive",
-                      f"worst category {worst[0]}: {worst[1]['ratio']:.2f}x of plain (>= 0.95)", met5))
+                      f"worst category {worst[0]}: {worst[1]['ratio']:.3f}x of plain (>= 0.95)", met5))
     save("speedup" + ("_quick" if args.quick else "") + (f"_{args.weights}" if args.weights != "int8" else "")
          + ("_adaptive" if args.skip_sweep else ""), record)
     return 0 if (met4 and met5) or args.quick else 1
