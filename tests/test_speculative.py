@@ -281,6 +281,24 @@ def test_adaptive_draft_stops_reading_when_speculation_does_not_pay(target, unre
     assert sum(read) < 0.6 * context  # a draft kept ready would read all of it
 
 
+def test_adaptive_reports_the_drafts_reading_of_skipped_context_apart(target, unrelated):
+    """With --adaptive a draft model reads the context it skipped just before it drafts: that
+    reading counts in the drafting time and is reported on its own too (catch_up_s). A draft
+    that read the prompt up front, without --adaptive, has nothing to catch up."""
+    from verispec.server.responses import decoding_summary
+    from verispec.spec.draft_model import DraftModelProposer
+
+    def draft():
+        return DraftModelProposer(unrelated, vocab_limit=target.config.vocab_size)
+
+    lazy = generate(target, PROMPT, draft=draft(), gamma=4, adaptive="cost", max_tokens=40, ignore_eos=True)
+    assert 0 < lazy.spec.catch_up_s <= lazy.spec.draft_s
+    assert lazy.to_dict()["spec"]["catch_up_s"] == lazy.spec.catch_up_s
+    assert decoding_summary(lazy, "draft")["catch_up_s"] == round(lazy.spec.catch_up_s, 4)
+    eager = generate(target, PROMPT, draft=draft(), gamma=4, max_tokens=40, ignore_eos=True)
+    assert eager.spec.catch_up_s == 0 and eager.spec.draft_s > 0
+
+
 def _scan_lookup(context: list[int], gamma: int, max_ngram: int, min_ngram: int) -> list[int]:
     """Prompt lookup by scanning the context back, as the definition reads."""
     size = len(context)

@@ -44,6 +44,7 @@ class SpecStats:
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
     draft_s: float = 0.0
+    catch_up_s: float = 0.0  # of draft_s: the draft reading context it had skipped (--adaptive)
     verify_s: float = 0.0
     gammas: list[int] = field(default_factory=list)  # γ of every round, for adaptive schedules
 

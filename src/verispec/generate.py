@@ -265,7 +265,9 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
         if g > 0 and lazy and proposer.lag(context) > 2:
             t0 = time.perf_counter()  # drafting time, but not the cost of drafts the policy weighs
             proposer.catch_up(context, READY_LAG)
-            stats.draft_s += time.perf_counter() - t0
+            catch_up_s = time.perf_counter() - t0
+            stats.draft_s += catch_up_s
+            stats.catch_up_s += catch_up_s
         if g > 0:
             t0 = time.perf_counter()
             proposal = proposer.propose(context, g, params, generator)

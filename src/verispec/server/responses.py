@@ -40,6 +40,7 @@ def decoding_summary(result: GenerationResult, draft: str | None) -> dict[str, A
         acceptance_by_position=[round(a, 4) for a in spec.acceptance_by_position],
         mean_gamma=round(sum(drafting_rounds) / len(drafting_rounds), 2) if drafting_rounds else 0.0,
         draft_s=round(spec.draft_s, 4),
+        catch_up_s=round(spec.catch_up_s, 4),
         verify_s=round(spec.verify_s, 4),
     )
     return out
