@@ -53,13 +53,13 @@ class TimedModel:
         return getattr(self.model, name)
 
 
-class TimedProposer:
-    """A draft model proposer, with its drafting and its catch-up reading timed apart."""
+class ReadingProposer:
+    """A draft model proposer that records how much it reads each time it catches up (the
+    engine's statistics time drafting and catch-up: draft_s, catch_up_s)."""
 
     def __init__(self, inner):
         self.inner, self.name = inner, inner.name
-        self.proposals: list[tuple[int, float]] = []  # (γ asked for, seconds)
-        self.catch_ups: list[tuple[int, int, float]] = []  # (positions behind, positions read, seconds)
+        self.catch_ups: list[tuple[int, int]] = []  # (positions behind, positions read)
 
     def start(self, prompt_ids, max_len, **options):
         self.inner.start(prompt_ids, max_len, **options)
@@ -69,17 +69,12 @@ class TimedProposer:
 
     def catch_up(self, context, window):
         behind, offset, length = self.inner.lag(context), self.inner.offset, self.inner.cache.length
-        started = time.perf_counter()
         self.inner.catch_up(context, window)
-        seconds = time.perf_counter() - started
         read = self.inner.cache.length - (length if self.inner.offset == offset else 0)
-        self.catch_ups.append((behind, read, seconds))
+        self.catch_ups.append((behind, read))
 
     def propose(self, context, gamma, params, generator):
-        started = time.perf_counter()
-        proposal = self.inner.propose(context, gamma, params, generator)
-        self.proposals.append((gamma, time.perf_counter() - started))
-        return proposal
+        return self.inner.propose(context, gamma, params, generator)
 
     def commit(self, length):
         self.inner.commit(length)
@@ -88,7 +83,7 @@ class TimedProposer:
 FIRST_LOOK = 8
 
 
-class FirstLookProposer(TimedProposer):
+class FirstLookProposer(ReadingProposer):
     """The `first-look` trial: until the target has kept one of its drafts, the draft reads
     only the last FIRST_LOOK positions of the context; then the last READY_LAG afresh."""
 
@@ -149,7 +144,7 @@ def timed_run(target, prompt: str, **options):
         target.model = original
 
 
-def split(plain_runs: list, run, passes: list, proposer: TimedProposer) -> dict:
+def split(plain_runs: list, run, passes: list, proposer: ReadingProposer) -> dict:
     """One --adaptive request's time, split, against plain runs [(result, passes), ...] of its prompt."""
     plain_s = sum(r.timings.decode_s for r, _ in plain_runs) / len(plain_runs)
     plain_pass_s = sum(s for _, calls in plain_runs for _, s in calls) / sum(len(calls) for _, calls in plain_runs)
@@ -163,10 +158,10 @@ def split(plain_runs: list, run, passes: list, proposer: TimedProposer) -> dict:
         "valid": all(run.token_ids == r.token_ids for r, _ in plain_runs),
         "plain_pass_s": plain_pass_s, "plain_rounds": len(plain_steps), "plain_rounds_s": sum(plain_steps),
         "spec_rounds": len(verify), "verify_s": sum(verify),
-        "draft_s": sum(s for _, s in proposer.proposals), "drafted": run.spec.drafted, "accepted": run.spec.accepted,
+        "draft_s": run.spec.draft_s - run.spec.catch_up_s, "drafted": run.spec.drafted, "accepted": run.spec.accepted,
         "spec_tokens": spec_tokens,
-        "catch_ups": len(proposer.catch_ups), "catch_up_s": sum(s for _, _, s in proposer.catch_ups),
-        "catch_up_read": sum(n for _, n, _ in proposer.catch_ups),
+        "catch_ups": len(proposer.catch_ups), "catch_up_s": run.spec.catch_up_s,
+        "catch_up_read": sum(n for _, n in proposer.catch_ups),
     }
     record["other_s"] = record["adaptive_s"] - record["plain_rounds_s"] - record["verify_s"] - record["draft_s"] \
         - record["catch_up_s"]
@@ -182,7 +177,7 @@ def requests(target, draft, prompt: str, tokens: int, gamma: int, variants: list
     before = timed_run(target, prompt, max_tokens=tokens)
     runs = {}
     for name in variants:
-        proposer = (FirstLookProposer if name == "first-look" else TimedProposer)(DraftModelProposer(draft))
+        proposer = (FirstLookProposer if name == "first-look" else ReadingProposer)(DraftModelProposer(draft))
         with policy(name):
             result, passes = timed_run(target, prompt, max_tokens=tokens, draft=proposer, gamma=gamma,
                                        adaptive="cost")
