@@ -46,7 +46,7 @@ from verispec.generate import encode_prompt, generate
 from verispec.lab.calibrate import load_average, machine_facts, time_model
 from verispec.lab.costmodel import MeasuredCosts, alpha_from_counts, draft_cost, expected_tokens, predict_speedup
 from verispec.lab.prompts import spec_bench_path
-from verispec.loading import load_model
+from verispec.loading import draft_format, load_model
 
 TOLERANCE = 0.15
 
@@ -96,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
     parser.add_argument("--weights", default=None, help="target weight format (default: the engine's, float32)")
-    parser.add_argument("--draft-weights", default=None, help="draft weight format (default: the engine's)")
+    parser.add_argument("--draft-weights", default=None, help="draft weight format (default: the target's)")
     parser.add_argument("--gammas", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--limit", type=int, default=5, help="coding prompts to run (Spec-Bench has 10)")
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: load average {load_before:.1f} on {os.cpu_count()} cores; timings will be noisy", flush=True)
     print(f"loading {args.target} and {args.draft}", flush=True)
     target = load_model(args.target, weights=args.weights)
-    draft = load_model(args.draft, weights=args.draft_weights)
+    draft = load_model(args.draft, weights=draft_format(args.weights, args.draft_weights))
     prompts = coding_prompts(args.questions or spec_bench_path(), args.limit)
     prompt_lengths = [len(encode_prompt(target.tokenizer, p, chat=True)) for p in prompts]
     context = int(statistics.median(prompt_lengths) + args.max_tokens / 2)  # the average context while decoding

@@ -37,6 +37,22 @@ def test_no_acceptance_never_pays_when_the_draft_costs_anything(c):
     assert all(cm.predict(costs, 0.0, g).speedup < 1.0 for g in range(1, 17))
 
 
+def test_the_draft_is_costed_in_the_targets_format_unless_told():
+    """As the engine loads a draft: its own --draft-weights, else the target's --weights, else its default."""
+    target, draft = cm.model_preset("qwen2.5-coder-1.5b"), cm.model_preset("qwen2.5-coder-0.5b")
+    h200 = cm.hardware_preset("h200")
+
+    def draft_format(**weights) -> str:
+        costs = cm.RooflineCosts(target, draft, h200, **weights)
+        return costs.weight_format(costs.draft).name
+
+    assert draft_format() == "float32"
+    assert draft_format(target_weights="int4") == "int4"
+    assert draft_format(target_weights="int4", draft_weights="bfloat16") == "bfloat16"
+    cheaper = cm.RooflineCosts(target, draft, h200, target_weights="int4")
+    assert cheaper.c < cm.RooflineCosts(target, draft, h200, target_weights="int4", draft_weights="float32").c
+
+
 def test_distinct_experts_touched_by_a_verify_pass():
     assert cm.expected_distinct_experts(128, 8, 9) == pytest.approx(56.4, abs=0.05)
     assert cm.expected_distinct_experts(128, 8, 1) == pytest.approx(8.0)

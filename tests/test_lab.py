@@ -436,6 +436,20 @@ def test_sweep_resumes_without_rerunning_finished_runs(models, prompt_file, tmp_
     assert (again.executed, again.skipped) == (0, total)
 
 
+def test_sweep_drafts_in_each_targets_format_unless_told(models, prompt_file, tmp_path):
+    settings = {"targets": [str(models / "target")], "weights": ["float32", "int8"],
+                "proposers": [str(models / "same")], "gammas": [2], "prompts": [str(prompt_file)], "limit": 1,
+                "max_tokens": 4, "repeats": 1, "warmup": False}
+    config = sweep.sweep_config_from_dict({**settings, "out": str(tmp_path / "follows.jsonl")})
+    sweep.run_sweep(config)
+    drafted = [(r["weights"], r["draft_weights"]) for r in read_records(config.out) if r["proposer_kind"] == "draft"]
+    assert drafted == [("float32", "float32"), ("int8", "int8")]
+    config = sweep.sweep_config_from_dict({**settings, "draft_weights": "int4", "out": str(tmp_path / "own.jsonl")})
+    sweep.run_sweep(config)
+    drafted = [(r["weights"], r["draft_weights"]) for r in read_records(config.out) if r["proposer_kind"] == "draft"]
+    assert drafted == [("float32", "int4"), ("int8", "int4")]
+
+
 def test_sweep_config_errors(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("targets: [x]\nproposers: [ngram]\ngamas: [4]\n")
@@ -457,6 +471,33 @@ def test_bench_cli(models, prompt_file, tmp_path, capsys, clock):
     assert code == 0
     assert len(read_records(out)) == 2 * (1 + 4)
     assert "Draft length γ" in text and "per run" in text
+
+
+def test_the_draft_takes_the_targets_format_unless_told(models, prompt_file, tmp_path, capsys, clock, monkeypatch):
+    """A draft left without --draft-weights is loaded in the target's --weights, by every command
+    that loads one: a float32 draft beside a quantised target would cost about what the target does."""
+    import verispec.loading
+
+    formats, original = [], verispec.loading.load_model
+
+    def load_model_and_note(*args, **kwargs):
+        loaded = original(*args, **kwargs)
+        formats.append(loaded.weights)
+        return loaded
+
+    monkeypatch.setattr(verispec.loading, "load_model", load_model_and_note)
+    target, draft = models / "target", models / "same"
+    generate = ["generate", "--model", target, "--draft", draft, "-n", "4", "--json", "hi"]
+    assert run_cli(capsys, *generate, "--weights", "int8")[0] == 0
+    assert run_cli(capsys, *generate, "--weights", "int8", "--draft-weights", "int4")[0] == 0
+    assert run_cli(capsys, *generate)[0] == 0
+    assert formats == ["int8", "int8", "int8", "int4", "float32", "float32"]
+
+    out = tmp_path / "bench.jsonl"
+    assert run_cli(capsys, "bench", "--model", target, "--draft", draft, "--weights", "int4", "--gamma", "2",
+                   "--prompts", prompt_file, "--limit", "1", "--max-tokens", "4", "--repeats", "1", "--no-warmup",
+                   "--out", out)[0] == 0
+    assert [(r["weights"], r["draft_weights"]) for r in read_records(out)] == [("int4", None), ("int4", "int4")]
 
 
 def test_bench_cli_with_a_16_bit_cache_keeps_its_runs_apart(models, prompt_file, tmp_path, capsys, clock):

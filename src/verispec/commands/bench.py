@@ -28,7 +28,8 @@ def register(sub) -> None:
     parser.add_argument("--max-tokens", "-n", type=positive_int, default=128)
     parser.add_argument("--repeats", "-r", type=positive_int, default=3)
     parser.add_argument("--weights", choices=WEIGHT_FORMATS, default=None, help="weight format of the target")
-    parser.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=None)
+    parser.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=None,
+                        help="weight format of the draft model (default: the target's --weights)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=positive_int, default=None)
     add_kv_cache_option(parser)
@@ -57,6 +58,7 @@ def run(args) -> int:
     from verispec.lab.prompts import load_prompts
     from verispec.lab.records import RecordWriter, runs_by_key
     from verispec.lab.report import print_tables, summarize
+    from verispec.loading import draft_format
     from verispec.spec.compat import check_tokenizers
 
     console = Console(highlight=False)
@@ -75,7 +77,8 @@ def run(args) -> int:
     done = {} if args.restart else runs_by_key(out)
     with console.status(f"loading {args.model}"):
         target = load_for_bench(args.model, args.weights, args.device, args.kv_cache)
-        drafts = {p.label: load_for_bench(p.label, args.draft_weights, args.device, args.kv_cache)
+        draft_weights = draft_format(args.weights, args.draft_weights)
+        drafts = {p.label: load_for_bench(p.label, draft_weights, args.device, args.kv_cache)
                   for p in map(parse_proposer, args.draft) if p.kind == "draft"}
     for draft in drafts.values():  # before the first run: a mismatch would stop the bench halfway
         check_tokenizers(target.tokenizer, draft.tokenizer)

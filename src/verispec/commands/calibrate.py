@@ -10,7 +10,8 @@ def register(sub) -> None:
     parser.add_argument("--model", "-m", default=None, help="target model to time (name or path)")
     parser.add_argument("--draft", "-d", default=None, help="draft model to time; gives c = t_draft(1) / t_target(1)")
     parser.add_argument("--weights", choices=WEIGHT_FORMATS, default=None, help="weight format of the target")
-    parser.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=None, help="weight format of the draft")
+    parser.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=None,
+                        help="weight format of the draft (default: the target's --weights)")
     parser.add_argument("--max-m", type=positive_int, default=32, help="time passes over 1..MAX_M positions")
     parser.add_argument("--context", type=positive_int, default=64, help="tokens in the cache before each pass")
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed repeats per size (median kept)")
@@ -27,7 +28,7 @@ def run(args) -> int:
     from rich.console import Console
 
     from verispec.lab.calibrate import calibrate, check_profile_path
-    from verispec.loading import load_model
+    from verispec.loading import draft_format, load_model
 
     if args.out:
         check_profile_path(args.out)  # before measuring, which takes minutes that a bad path would waste
@@ -42,8 +43,8 @@ def run(args) -> int:
         target = load_model(args.model, default_dtype(args.device, args.weights), args.device, args.weights,
                             args.kv_cache)
     if args.draft:
-        draft = load_model(args.draft, default_dtype(args.device, args.draft_weights), args.device,
-                           args.draft_weights, args.kv_cache)
+        fmt = draft_format(args.weights, args.draft_weights)
+        draft = load_model(args.draft, default_dtype(args.device, fmt), args.device, fmt, args.kv_cache)
     profile = calibrate(target, draft, max_m=args.max_m, context=args.context, repeats=args.repeats,
                         buffer_bytes=args.buffer_mib * 2**20, device=args.device,
                         log=lambda msg: console.print(f"[dim]{msg}[/dim]"))

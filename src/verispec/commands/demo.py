@@ -18,7 +18,8 @@ def register(sub) -> None:
     parser.add_argument("--gamma", "-g", type=draft_length, default=defaults.gamma)
     parser.add_argument("--prompts", "-p", default=None, help="a prompt source instead of the Spec-Bench pick")
     parser.add_argument("--weights", choices=WEIGHT_FORMATS, default=None, help="weight format of the target")
-    parser.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=None)
+    parser.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=None,
+                        help="weight format of the draft model (default: the target's --weights)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=positive_int, default=None)
     parser.add_argument("--out", "-o", default=defaults.out, help="JSONL file for the raw runs")

@@ -27,7 +27,7 @@ def register(sub) -> None:
                         help="weight format of the target (default: the engine's float32 for files, "
                              "the preset's own format for presets)")
     parser.add_argument("--draft-weights", choices=list(WEIGHT_FORMATS), default=None,
-                        help="weight format of the draft")
+                        help="weight format of the draft (default: --weights if given, else its own)")
     machine = parser.add_mutually_exclusive_group()
     machine.add_argument("--profile", "-p", default=None, help="a profile from `verispec calibrate --out`")
     machine.add_argument("--hardware", choices=list(HARDWARE), default=None,

@@ -99,7 +99,7 @@ def add_model_options(parser: argparse.ArgumentParser, draft: bool = True) -> No
         parser.add_argument("--draft", "-d", default=None,
                             help="draft model (name or path), or 'ngram' for prompt lookup")
         parser.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=None,
-                            help="weight format of the draft model")
+                            help="weight format of the draft model (default: the target's --weights)")
         parser.add_argument("--gamma", "-g", type=draft_length, default=4,
                             help="tokens drafted per round")
         parser.add_argument("--adaptive", nargs="?", const="cost", choices=["cost", "heuristic"], default=False,
@@ -134,7 +134,7 @@ def load_target_and_draft(args) -> tuple:
     """Load --model (and --draft) with their formats, applying --threads first."""
     import torch
 
-    from verispec.loading import load_model
+    from verispec.loading import draft_format, load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -142,6 +142,6 @@ def load_target_and_draft(args) -> tuple:
     target = load_model(args.model, default_dtype(args.device, args.weights), args.device, args.weights, kv_cache)
     draft = getattr(args, "draft", None)
     if draft and draft != "ngram":
-        fmt = args.draft_weights
+        fmt = draft_format(args.weights, args.draft_weights)
         draft = load_model(draft, default_dtype(args.device, fmt), args.device, fmt, kv_cache)
     return target, draft

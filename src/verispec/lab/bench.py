@@ -321,6 +321,7 @@ class Bench:
             "category": prompt.category,
             "proposer": config.proposer.label,
             "proposer_kind": config.proposer.kind,
+            "draft_weights": self.drafts[config.proposer.label].weights if config.proposer.kind == "draft" else None,
             "alpha": config.proposer.alpha,
             "gamma": config.gamma,
             "adaptive": config.adaptive,

@@ -594,11 +594,11 @@ class RooflineCosts:
     draft: ModelShape | None
     hardware: Hardware
     target_weights: str | None = None  # None: the shape's default format
-    draft_weights: str | None = None
+    draft_weights: str | None = None  # None: target_weights, as the engine loads a draft, else the shape's default
     context: int = 256  # tokens already in the cache
 
     def weight_format(self, shape: ModelShape) -> WeightFormat:
-        chosen = self.target_weights if shape is self.target else self.draft_weights
+        chosen = self.target_weights if shape is self.target else self.draft_weights or self.target_weights
         return weight_format(chosen or shape.default_weights)
 
     def pass_cost(self, shape: ModelShape, positions: int) -> PassCost:

@@ -51,6 +51,7 @@ def run_demo(options: DemoOptions, console) -> int:
     from verispec.lab.bench import Bench, BenchSettings, RunConfig, parse_proposer
     from verispec.lab.records import RecordWriter
     from verispec.lab.report import print_tables, summarize
+    from verispec.loading import draft_format
 
     # checks the path before the models load; the last demo's records go only when this one has one
     writer = RecordWriter(options.out, fresh=True) if options.out else None
@@ -60,7 +61,7 @@ def run_demo(options: DemoOptions, console) -> int:
                   f"{len(prompts)} Spec-Bench prompt(s), greedy, {options.max_tokens} tokens each: "
                   f"the target alone, the draft at γ = {options.gamma}, and prompt lookup at γ = {options.gamma}")
     target = _load(console, options.target, options.weights, options.device)
-    draft = _load(console, options.draft, options.draft_weights, options.device)
+    draft = _load(console, options.draft, draft_format(options.weights, options.draft_weights), options.device)
     configs = [RunConfig(parse_proposer(options.draft), options.gamma), RunConfig(parse_proposer("ngram"), options.gamma)]
 
     def show(record: dict) -> None:

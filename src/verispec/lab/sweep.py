@@ -3,7 +3,7 @@
     out: results/pair.jsonl          # one record per run (default: results/<config name>.jsonl)
     targets: [qwen2.5-coder-1.5b]    # demo names, GGUF files or HF folders
     weights: [float32, int8]         # weight formats of the target
-    draft_weights: float32
+    draft_weights: int4                # of the draft models (default: each target's weights)
     proposers: [qwen2.5-coder-0.5b, ngram, "synthetic:0.6", "synthetic:0.9"]
     gammas: [4, 8, 16]
     adaptive: [false]                # or cost / heuristic
@@ -32,6 +32,7 @@ from verispec.lab.bench import (Bench, BenchSettings, RunConfig, load_for_bench,
                                 run_key, spec_configs)
 from verispec.lab.prompts import Prompt, load_prompts
 from verispec.lab.records import RecordWriter, runs_by_key
+from verispec.loading import draft_format
 from verispec.quant import FORMATS as WEIGHT_FORMATS
 from verispec.sampling import SEED_MAX, SEED_MIN
 from verispec.values import is_number, is_whole
@@ -195,7 +196,8 @@ def run_sweep(config: SweepConfig, out: str | Path | None = None, fresh: bool = 
     total = sum(len(plan_runs(p, configs, config.settings.repeats)) for p in prompt_sets.values()) * len(todo)
     pending = sum(todo.values())
     summary = SweepSummary(out, total, 0, total - pending)
-    drafts: dict[str, object] = {}
+    drafts: dict[str, object] = {}  # the draft models, loaded in `drafts_format`
+    drafts_format = None
 
     with _progress(console) as progress:
         task = progress.add_task("sweep", total=pending)
@@ -212,10 +214,12 @@ def run_sweep(config: SweepConfig, out: str | Path | None = None, fresh: bool = 
                 continue  # every run of this target is already in the file: do not even load it
             progress.update(task, description=f"loading {target_spec} ({weights})")
             target = load_for_bench(target_spec, weights, config.device)
+            if draft_format(weights, config.draft_weights) != drafts_format:
+                drafts, drafts_format = {}, draft_format(weights, config.draft_weights)  # one format in memory
             for name in config.draft_models():
                 if name not in drafts:
-                    progress.update(task, description=f"loading draft {name}")
-                    drafts[name] = load_for_bench(name, config.draft_weights, config.device)
+                    progress.update(task, description=f"loading draft {name} ({drafts_format})")
+                    drafts[name] = load_for_bench(name, drafts_format, config.device)
             bench = Bench(target, config.settings, drafts, on_record=record_done, done=done, label=target_spec,
                           on_run=lambda what: progress.update(task, description=f"{target_spec} {what}"))
             for source, prompts in prompt_sets.items():
