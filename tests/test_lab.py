@@ -197,6 +197,19 @@ def test_accounting_catches_counters_that_do_not_add_up():
     assert not audit.check_accounting({**spec, "accepted_by_position": [3, 2]}, 7).valid
 
 
+def test_accounting_keeps_plain_steps_apart_from_bonus_tokens():
+    """A pass that checked no drafts gives a `plain` token (origin "target"), not a bonus one.
+    Records of older versions have no `plain` and counted those tokens as bonus: still valid."""
+    origins = ["target", "draft", "draft", "bonus", "target", "draft", "recovered"]
+    spec = {"rounds": 4, "drafted": 5, "accepted": 3, "recovered": 1, "bonus": 1, "plain": 2}
+    assert audit.check_accounting(spec, 7, origins, target_passes=4).valid
+    swapped = {**spec, "bonus": 2, "plain": 1}  # the sum still adds up, the origins do not
+    assert "origins" in audit.check_accounting(swapped, 7, origins).reason
+    older = {key: value for key, value in swapped.items() if key != "plain"}
+    assert not audit.check_accounting(older, 7, origins).valid
+    assert audit.check_accounting({**older, "bonus": 3}, 7, origins).valid
+
+
 # ---------------------------------------------------------------- bench on tiny models
 
 

@@ -342,7 +342,7 @@ def speculate(target, draft, gamma: int):
 
 def assert_accounting(result) -> None:
     spec = result.spec
-    assert len(result.token_ids) == spec.accepted + spec.recovered + spec.bonus
+    assert len(result.token_ids) == spec.accepted + spec.recovered + spec.bonus + spec.plain
     assert result.origins.count("draft") == spec.accepted
     assert result.origins.count("recovered") == spec.recovered
 

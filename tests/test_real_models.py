@@ -62,7 +62,7 @@ def test_real_pair_speculation_reproduces_the_target(real_pair):
                               "adaptive": dict(draft=draft, gamma=4, adaptive=True)}.items():
             result = generate(target, ids, max_tokens=24, **options)
             spec = result.spec
-            assert len(result.token_ids) == spec.accepted + spec.recovered + spec.bonus
+            assert len(result.token_ids) == spec.accepted + spec.recovered + spec.bonus + spec.plain
             verdict = check_output(baseline, result.token_ids,
                                    lambda at: logit_margin(target, ids, baseline[:at]))
             report.append(f"{name}: {verdict.status} {verdict.reason}")

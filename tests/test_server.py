@@ -283,6 +283,8 @@ def test_metrics_counters_move(target):
         assert metric(app_client, "verispec:spec_decode_num_draft_tokens_per_pos_total",
                       position=str(position)) == drafts
     assert metric(app_client, "verispec:generation_tokens_total") == usage["completion_tokens"] == 10
+    assert stats["accepted"] + stats["recovered"] + stats["bonus"] + stats["plain"] == 10
+    assert stats["plain"] == stats["target_passes"] - drafts  # each pass that checked no drafts gave one
     assert metric(app_client, "verispec:prompt_tokens_total") == usage["prompt_tokens"]
     assert metric(app_client, "verispec:request_success_total", finished_reason="length") == 1
     # a streamed request counts too

@@ -42,12 +42,14 @@ def baseline(target):
 
 def assert_accounting(result):
     spec = result.spec
-    assert len(result.token_ids) == spec.accepted + spec.recovered + spec.bonus
+    assert len(result.token_ids) == spec.accepted + spec.recovered + spec.bonus + spec.plain
     assert spec.rounds == len(spec.gammas)  # one target pass per round
     assert sum(spec.gammas) == spec.drafted
     assert sum(spec.accepted_by_position) == spec.accepted
     assert result.origins.count("draft") == spec.accepted
     assert result.origins.count("recovered") == spec.recovered
+    assert result.origins.count("bonus") == spec.bonus  # only after a round whose drafts were all kept
+    assert result.origins.count("target") == spec.plain == spec.gammas.count(0)  # the prefill's token included
 
 
 @pytest.mark.parametrize("gamma", GAMMAS)
@@ -277,6 +279,8 @@ def test_adaptive_draft_stops_reading_when_speculation_does_not_pay(target, unre
     assert result.token_ids == generate(target, PROMPT, max_tokens=200, ignore_eos=True).token_ids
     plain = result.spec.gammas.count(0)
     assert plain >= 0.9 * len(result.spec.gammas)
+    assert_accounting(result)
+    assert result.spec.plain == plain and result.spec.bonus == 0  # drafts always wrong: nothing fully kept
     context = result.prompt_tokens + len(result.token_ids)
     assert sum(read) < 0.6 * context  # a draft kept ready would read all of it
 

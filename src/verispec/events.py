@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 # where an emitted token came from:
-#   target     plain decoding (or the first token, from the prefill pass)
+#   target     plain decoding (or the first token, from the prefill pass); counted as `plain`
 #   draft      a drafted token the target kept ("accepted")
 #   recovered  the target's own token at the first rejected draft position
 #   bonus      the target's extra token after every draft was kept
@@ -40,7 +40,8 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
     recovered: int = 0
-    bonus: int = 0
+    bonus: int = 0  # the target's token after a round whose drafts were all kept
+    plain: int = 0  # tokens of passes that checked no drafts: the first token, --adaptive's plain steps
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
     draft_s: float = 0.0
@@ -54,7 +55,7 @@ class SpecStats:
 
     @property
     def tokens(self) -> int:
-        return self.accepted + self.recovered + self.bonus
+        return self.accepted + self.recovered + self.bonus + self.plain
 
     @property
     def tokens_per_pass(self) -> float:

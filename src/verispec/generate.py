@@ -244,12 +244,12 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     logits = model(torch.tensor([prompt_ids], device=device), cache, last_only=True)[0, -1]
     first = next_token(logits, params, generator)
     prefill_s = time.perf_counter() - started
-    stats.rounds, stats.bonus = 1, 1
+    stats.rounds, stats.plain = 1, 1
     stats.gammas.append(0)
     context = [*prompt_ids, first]
     yield from emit([first], ["target"], 0)
     if finish == "eos":
-        stats.bonus = 0
+        stats.plain = 0
     decode_started = time.perf_counter()
     lazy = bool(adaptive) and hasattr(proposer, "catch_up")
     if proposer is not None and finish is None:
@@ -308,7 +308,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
 
 
 def _count(stats: SpecStats, drafts: list[int], verdict, emitted: int) -> None:
-    """Book one round: only emitted tokens count, so tokens = accepted + recovered + bonus."""
+    """Book one round: only emitted tokens count, so tokens = accepted + recovered + bonus + plain."""
     stats.rounds += 1
     stats.gammas.append(len(drafts))
     stats.drafted += len(drafts)
@@ -317,7 +317,9 @@ def _count(stats: SpecStats, drafts: list[int], verdict, emitted: int) -> None:
     for position in range(len(drafts)):
         stats.record_position(position, position < kept_emitted)
     if emitted > verdict.accepted:
-        if verdict.bonus:
+        if not drafts:
+            stats.plain += 1
+        elif verdict.bonus:
             stats.bonus += 1
         else:
             stats.recovered += 1

@@ -70,7 +70,8 @@ def run(args) -> int:
 def print_spec_stats(console, spec, legend: bool = False) -> None:
     by_position = " ".join(f"{a:.0%}" for a in spec.acceptance_by_position)
     console.print(f"[dim]speculative: {spec.rounds} target passes · drafted {spec.drafted}, accepted {spec.accepted} "
-                  f"({spec.acceptance_rate:.1%}), recovered {spec.recovered}, bonus {spec.bonus} · "
+                  f"({spec.acceptance_rate:.1%}), recovered {spec.recovered}, bonus {spec.bonus}, "
+                  f"plain {spec.plain} · "
                   f"{spec.tokens_per_pass:.2f} tokens/pass · draft {spec.draft_s:.2f} s"
                   + (f" (reading skipped context {spec.catch_up_s:.2f} s)" if spec.catch_up_s else "")
                   + f", verify {spec.verify_s:.2f} s[/dim]")

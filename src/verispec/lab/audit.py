@@ -5,7 +5,8 @@ output      under greedy decoding the speculative output equals the target's own
             positions may round differently from a single-position step, so where the
             target's top two logits at the first differing position are within float
             tolerance, the run is VALID (tie) and the margin is kept.
-accounting  tokens = accepted + recovered + bonus, and target passes = rounds.
+accounting  tokens = accepted + recovered + bonus + plain (the tokens of passes that
+            checked no drafts), and target passes = rounds.
 physics     a target pass keeps at most the drafts it accepts plus one token of its own
             and costs at least one plain step, so the speed-up cannot exceed
             1 + γ·acceptance; nor can a token take less time than reading the bytes one
@@ -132,10 +133,11 @@ def check_accounting(spec: dict, emitted: int, origins: Sequence[str] | None = N
                      target_passes: int | None = None) -> Verdict:
     """The counters of a speculative run (SpecStats.to_dict()) against what was emitted and run."""
     accepted, recovered, bonus = spec["accepted"], spec["recovered"], spec["bonus"]
+    plain = spec.get("plain")  # absent from records of older versions, which counted those tokens as bonus
     problems = []
-    if accepted + recovered + bonus != emitted:
-        problems.append(f"accepted {accepted} + recovered {recovered} + bonus {bonus} = "
-                        f"{accepted + recovered + bonus}, but {emitted} tokens were emitted")
+    if accepted + recovered + bonus + (plain or 0) != emitted:
+        problems.append(f"accepted {accepted} + recovered {recovered} + bonus {bonus} + plain {plain or 0} = "
+                        f"{accepted + recovered + bonus + (plain or 0)}, but {emitted} tokens were emitted")
     if target_passes is not None and target_passes != spec["rounds"]:
         problems.append(f"the target ran {target_passes} passes but {spec['rounds']} rounds were counted")
     if accepted > spec["drafted"]:
@@ -145,8 +147,9 @@ def check_accounting(spec: dict, emitted: int, origins: Sequence[str] | None = N
         problems.append(f"acceptance by position sums to {sum(by_position)}, not {accepted}")
     if origins is not None:
         counted = {kind: list(origins).count(kind) for kind in ("draft", "recovered", "bonus", "target")}
-        if (counted["draft"], counted["recovered"], counted["bonus"] + counted["target"]) != (
-                accepted, recovered, bonus):
+        expected = (accepted, recovered, bonus, plain) if plain is not None else (accepted, recovered, bonus)
+        found = (counted["draft"], counted["recovered"], counted["bonus"], counted["target"])
+        if (found if plain is not None else (*found[:2], found[2] + found[3])) != expected:
             problems.append(f"token origins {counted} disagree with the counters")
     if problems:
         return Verdict(INVALID, "accounting: " + "; ".join(problems))

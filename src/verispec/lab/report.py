@@ -124,7 +124,8 @@ def _row(key: tuple, runs: list[dict], baselines: dict[tuple, float], slack: flo
     row.recovered = sum(s["recovered"] for s in stats)
     row.acceptance = row.accepted / drafted if drafted else 0.0
     rounds = sum(s["rounds"] for s in stats)
-    row.tokens_per_pass = sum(s["accepted"] + s["recovered"] + s["bonus"] for s in stats) / rounds if rounds else None
+    tokens = sum(s["accepted"] + s["recovered"] + s["bonus"] + s.get("plain", 0) for s in stats)
+    row.tokens_per_pass = tokens / rounds if rounds else None
     row.acceptance_by_position = _pooled_by_position(stats)
     row.split_ms = _split_ms(kept)
     return row

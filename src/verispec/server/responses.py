@@ -37,6 +37,7 @@ def decoding_summary(result: GenerationResult, draft: str | None) -> dict[str, A
         accepted=spec.accepted,
         recovered=spec.recovered,
         bonus=spec.bonus,
+        plain=spec.plain,
         acceptance_by_position=[round(a, 4) for a in spec.acceptance_by_position],
         mean_gamma=round(sum(drafting_rounds) / len(drafting_rounds), 2) if drafting_rounds else 0.0,
         draft_s=round(spec.draft_s, 4),
