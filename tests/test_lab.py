@@ -507,10 +507,16 @@ def test_the_draft_takes_the_targets_format_unless_told(models, prompt_file, tmp
     assert formats == ["int8", "int8", "int8", "int4", "float32", "float32"]
 
     out = tmp_path / "bench.jsonl"
-    assert run_cli(capsys, "bench", "--model", target, "--draft", draft, "--weights", "int4", "--gamma", "2",
-                   "--prompts", prompt_file, "--limit", "1", "--max-tokens", "4", "--repeats", "1", "--no-warmup",
-                   "--out", out)[0] == 0
+    bench_args = ["bench", "--model", target, "--draft", draft, "--weights", "int4", "--gamma", "2", "--prompts",
+                  prompt_file, "--limit", "1", "--max-tokens", "4", "--repeats", "1", "--no-warmup", "--out", out]
+    assert run_cli(capsys, *bench_args)[0] == 0
     assert [(r["weights"], r["draft_weights"]) for r in read_records(out)] == [("int4", None), ("int4", "int4")]
+    # resumed with the draft in another format: its run is another measurement, the baseline is reused
+    assert run_cli(capsys, *bench_args, "--draft-weights", "int8")[0] == 0
+    assert run_cli(capsys, *bench_args, "--draft-weights", "int8")[0] == 0
+    records = read_records(out)
+    assert [r["draft_weights"] for r in records] == [None, "int4", "int8"]
+    assert len({r["key"] for r in records}) == 3
 
 
 def test_bench_cli_with_a_16_bit_cache_keeps_its_runs_apart(models, prompt_file, tmp_path, capsys, clock):

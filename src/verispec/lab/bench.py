@@ -120,9 +120,11 @@ def bytes_read_per_pass(target) -> int:
 
 
 def run_key(target: str, weights: str, prompt_set: str, prompt_id: str, config: RunConfig, repeat: int,
-            settings: BenchSettings) -> str:
-    """Identifies one run across restarts of a sweep."""
-    return "|".join(str(part) for part in (target, weights, prompt_set, prompt_id, config.label, repeat,
+            settings: BenchSettings, draft_weights: str | None = None) -> str:
+    """Identifies one run across restarts of a sweep. A draft model's run names the draft's
+    weight format too: the same draft in another format is another measurement."""
+    label = f"{config.label} draft={draft_weights}" if config.proposer.kind == "draft" else config.label
+    return "|".join(str(part) for part in (target, weights, prompt_set, prompt_id, label, repeat,
                                            settings.max_tokens, settings.temperature))
 
 
@@ -195,7 +197,9 @@ class Bench:
         weights = self.target.weights
         if self.target.model.cache_dtype is not None:  # a cache type asked for gives other runs
             weights += f"/kv-{self.target.kv_cache}"
-        return run_key(self.label, weights, prompt_set, prompt.id, config, repeat, self.settings)
+        draft = self.drafts.get(config.proposer.label) if config.proposer.kind == "draft" else None
+        return run_key(self.label, weights, prompt_set, prompt.id, config, repeat, self.settings,
+                       draft.weights if draft is not None else None)
 
     def run(self, prompt_set: str, prompts: list[Prompt], configs: list[RunConfig]) -> list[dict]:
         """Run (or reuse) every run of the plan; returns their records in plan order."""

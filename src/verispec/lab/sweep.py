@@ -12,8 +12,8 @@
     max_tokens: 64
     repeats: 3
 
-Every run has a key (target, weights, prompt set, prompt, configuration, repeat,
-token budget, temperature). Runs whose key is already in the output file are
+Every run has a key (target, weights, prompt set, prompt, configuration and a draft
+model's format, repeat, token budget, temperature). Runs whose key is already in the output file are
 not run again, so a sweep that was interrupted picks up where it stopped. Each
 target is loaded once for all its runs, each draft model once for the sweep.
 """
@@ -188,7 +188,8 @@ def run_sweep(config: SweepConfig, out: str | Path | None = None, fresh: bool = 
     done = {} if fresh else runs_by_key(out)
     prompt_sets = {source: load_prompts(source, config.limit) for source in config.prompts}
     configs = config.configs()
-    todo = {(target, weights): _pending(target, weights, prompt_sets, configs, config.settings, done)
+    todo = {(target, weights): _pending(target, weights, draft_format(weights, config.draft_weights), prompt_sets,
+                                        configs, config.settings, done)
             for target in config.targets for weights in config.weights}
     _check_models_exist(config, [target for (target, _), count in todo.items() if count])
     if config.threads:
@@ -247,9 +248,9 @@ def check_out_is_not_config(out: str | Path, config_path: str | Path) -> None:
                             f"give a JSONL file for the results")
 
 
-def _pending(target: str, weights: str, prompt_sets: dict[str, list[Prompt]], configs: list[RunConfig],
-             settings: BenchSettings, done: dict) -> int:
-    return sum(run_key(target, weights, source, prompt.id, run_config, repeat, settings) not in done
+def _pending(target: str, weights: str, draft_weights: str, prompt_sets: dict[str, list[Prompt]],
+             configs: list[RunConfig], settings: BenchSettings, done: dict) -> int:
+    return sum(run_key(target, weights, source, prompt.id, run_config, repeat, settings, draft_weights) not in done
                for source, prompts in prompt_sets.items()
                for prompt, run_config, repeat in plan_runs(prompts, configs, settings.repeats))
 
