@@ -13,9 +13,10 @@
     repeats: 3
 
 Every run has a key (target, weights, prompt set, prompt, configuration and a draft
-model's format, repeat, token budget, temperature). Runs whose key is already in the output file are
-not run again, so a sweep that was interrupted picks up where it stopped. Each
-target is loaded once for all its runs, each draft model once for the sweep.
+model's format, repeat, token budget, temperature). Runs whose key is already in the
+output file are not run again, so a sweep that was interrupted picks up where it
+stopped. Each target is loaded once for all its runs, each draft model once per
+weight format it runs in.
 """
 
 from __future__ import annotations
