@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from collections import Counter
 from pathlib import Path
@@ -517,6 +518,20 @@ def test_the_draft_takes_the_targets_format_unless_told(models, prompt_file, tmp
     records = read_records(out)
     assert [r["draft_weights"] for r in records] == [None, "int4", "int8"]
     assert len({r["key"] for r in records}) == 3
+
+
+def test_generate_prints_both_loads_and_the_speculative_counts(models, capsys):
+    code, out = run_cli(capsys, "generate", "--model", models / "target", "--draft", models / "same", "-n", "9",
+                        "--gamma", "4", "--ignore-eos", "--show", "hi")
+    assert code == 0
+    summary = " ".join(out.split())  # as one line, however the console wrapped it
+    assert re.search(r"load \d+\.\d s \(draft \d+\.\d s\)", summary)
+    # a draft equal to the target keeps everything: the prefill's token, 4 drafts + bonus, then
+    # the 2 drafts the budget leaves room for + bonus
+    assert "drafted 6, accepted 6 (100.0%), recovered 0, bonus 2, plain 1" in summary
+    assert "legend:" in summary
+    code, out = run_cli(capsys, "generate", "--model", models / "target", "--draft", "ngram", "-n", "4", "hi")
+    assert code == 0 and "(draft" not in out  # prompt lookup loads nothing
 
 
 def test_bench_cli_with_a_16_bit_cache_keeps_its_runs_apart(models, prompt_file, tmp_path, capsys, clock):

@@ -60,9 +60,11 @@ def run(args) -> int:
         return 0
     console.print()
     t = result.timings
-    console.print(f"[dim]load {t.load_s:.1f} s · prompt {result.prompt_tokens} tokens, prefill {t.prefill_s:.2f} s · "
-                  f"{len(result.token_ids)} tokens at {t.tokens_per_s:.1f} tok/s · {result.finish_reason}[/dim]")
-    if result.spec is not None and (args.show or True):
+    draft_load = f" (draft {draft.load_s:.1f} s)" if hasattr(draft, "load_s") else ""
+    console.print(f"[dim]load {t.load_s:.1f} s{draft_load} · prompt {result.prompt_tokens} tokens, prefill "
+                  f"{t.prefill_s:.2f} s · {len(result.token_ids)} tokens at {t.tokens_per_s:.1f} tok/s · "
+                  f"{result.finish_reason}[/dim]")
+    if result.spec is not None:
         print_spec_stats(console, result.spec, legend=args.show)
     return 0
 
