@@ -133,3 +133,22 @@ def test_dequantising_in_row_chunks_changes_nothing(monkeypatch, kind):
     assert chunked.shape == (rows, cols)
     assert torch.equal(whole, chunked)
     assert torch.equal(whole, torch.from_numpy(quants.dequantize(Tensor.data, Tensor.tensor_type)))
+
+
+def test_the_one_slow_load_of_a_file_says_so_on_the_command_line(tmp_path, monkeypatch, capsys):
+    """Decoding and packing a GGUF file takes most of a minute for the 1.5B; that first load
+    says what it does, and later loads, from the weight cache, say nothing."""
+    from verispec.cli import main
+    from verispec.loading import weight_cache
+
+    monkeypatch.setattr(weight_cache, "MIN_FILE_BYTES", 0)
+    monkeypatch.setenv("VERISPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("VERISPEC_WEIGHT_CACHE", "1")  # this module's tests load without it otherwise
+    ref = tiny.save_hf_model(tmp_path / "hf", "qwen2", seed=5)
+    tiny.write_gguf(tmp_path / "model.gguf", ref, "qwen2")
+    argv = ["generate", "--model", str(tmp_path / "model.gguf"), "--weights", "int8", "-n", "2", "--json", "hi"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "model.gguf: decoding and packing its weights as int8, once" in err and str(tmp_path / "cache") in err
+    assert main(argv) == 0
+    assert "packing" not in capsys.readouterr().err

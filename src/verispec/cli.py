@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 from verispec.errors import VerispecError
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    _show_notices()
     try:
         return int(args.func(args) or 0)
     except VerispecError as exc:
@@ -60,6 +62,22 @@ def main(argv: list[str] | None = None) -> int:
         print("verispec: error: out of memory; try a smaller model, --weights int8 or a shorter context",
               file=sys.stderr)
         return 1
+
+
+class _Notices(logging.Handler):
+    """Prints verispec's log records on whatever sys.stderr is at the time, one line each."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"verispec: {self.format(record)}", file=sys.stderr)
+
+
+def _show_notices() -> None:
+    """verispec's own notices (a first, slow load of a model file, say) on stderr."""
+    logger = logging.getLogger("verispec")
+    if not any(isinstance(handler, _Notices) for handler in logger.handlers):
+        logger.addHandler(_Notices())
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # not twice where the root logger has a handler too
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,8 @@ from verispec.loading.tokenizer import Tokenizer
 from verispec.models import build_model, check_supported
 from verispec.models.moe import expect_packed_experts
 from verispec.quant import FORMATS, PACKED_FORMATS
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -228,6 +231,9 @@ def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: s
         if cached is not None:
             cached, config, tokenizer, mapped = cached
         else:
+            if entry is not None:  # the one slow load of this file in this format: say why it takes a while
+                log.info("%s: decoding and packing its weights as %s, once; later loads read them from %s",
+                         path.name, fmt, entry.parent)
             config, layers, meta, quantized = read_gguf(path, dtype, keep_quantized=fmt in ("int4", "int4-mixed"),
                                                         expert_format=fmt if packed else None,
                                                         embedding_blocks=packed)
