@@ -123,6 +123,23 @@ def test_bad_option_values(folder, capsys, argv, message):
     assert code == 2 and message in err
 
 
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("argv,message", [
+    (["--draft-weights", "int4"], "there is no --draft"),
+    (["--draft", "ngram", "--draft-weights", "int4"], "prompt lookup loads no model"),
+    (["--adaptive"], "there is no --draft"),
+])
+def test_draft_options_without_a_draft_are_refused_before_loading(folder, capsys, monkeypatch, command, argv,
+                                                                    message):
+    """Ignored, they would leave the user believing a draft ran (or ran in that format)."""
+    import verispec.loading
+
+    monkeypatch.setattr(verispec.loading, "load_model", lambda *a, **k: pytest.fail("loaded a model first"))
+    prompt = ["hi"] if command == "generate" else []  # before the options: --adaptive takes an optional value
+    code, _, err = run_cli(capsys, command, "--model", str(folder), *prompt, *argv)
+    assert code == 1 and message in err and err.count("\n") == 1
+
+
 def test_bad_dtype_and_device(folder):
     from verispec.errors import VerispecError
     with pytest.raises(VerispecError, match="unknown dtype"):

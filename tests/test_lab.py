@@ -518,6 +518,9 @@ def test_the_draft_takes_the_targets_format_unless_told(models, prompt_file, tmp
     records = read_records(out)
     assert [r["draft_weights"] for r in records] == [None, "int4", "int8"]
     assert len({r["key"] for r in records}) == 3
+    lookup_only = [a if a != draft else "ngram" for a in bench_args]
+    code, text = run_cli(capsys, *lookup_only, "--draft-weights", "int8")
+    assert code == 1 and "no --draft here is a model" in text
 
 
 def test_generate_prints_both_loads_and_the_speculative_counts(models, capsys):

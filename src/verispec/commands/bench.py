@@ -54,6 +54,7 @@ def run(args) -> int:
     import torch
     from rich.console import Console
 
+    from verispec.errors import VerispecError
     from verispec.lab.bench import Bench, BenchSettings, load_for_bench, parse_proposer, spec_configs
     from verispec.lab.prompts import load_prompts
     from verispec.lab.records import RecordWriter, runs_by_key
@@ -62,6 +63,8 @@ def run(args) -> int:
     from verispec.spec.compat import check_tokenizers
 
     console = Console(highlight=False)
+    if args.draft_weights and not any(p.kind == "draft" for p in map(parse_proposer, args.draft)):
+        raise VerispecError("--draft-weights sets a draft model's weight format, but no --draft here is a model")
     if args.threads:
         torch.set_num_threads(args.threads)
     adaptive = [args.adaptive] if args.adaptive else [False]

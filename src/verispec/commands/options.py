@@ -130,12 +130,27 @@ def default_dtype(device: str, weights: str | None) -> str:
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 
+def check_draft_options(args) -> None:
+    """Options that only a draft gives a meaning to are refused without one, before any model
+    loads, rather than ignored: a user who asked for them believes something else ran."""
+    from verispec.errors import VerispecError
+
+    draft = getattr(args, "draft", None)
+    if getattr(args, "draft_weights", None) and draft in (None, "ngram"):
+        raise VerispecError("--draft-weights sets a draft model's weight format, but "
+                            + ("there is no --draft" if draft is None else "prompt lookup loads no model"))
+    if getattr(args, "adaptive", False) and draft is None:
+        raise VerispecError("--adaptive chooses how many tokens a draft proposes, but there is no --draft "
+                            "(a draft model, or ngram for prompt lookup)")
+
+
 def load_target_and_draft(args) -> tuple:
     """Load --model (and --draft) with their formats, applying --threads first."""
     import torch
 
     from verispec.loading import draft_format, load_model
 
+    check_draft_options(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     kv_cache = getattr(args, "kv_cache", None)
