@@ -140,6 +140,11 @@ def test_draft_options_without_a_draft_are_refused_before_loading(folder, capsys
     assert code == 1 and message in err and err.count("\n") == 1
 
 
+def test_calibrate_refuses_a_draft_format_without_a_draft(folder, capsys):
+    code, _, err = run_cli(capsys, "calibrate", "--model", str(folder), "--draft-weights", "int4")
+    assert code == 1 and "there is no --draft" in err
+
+
 def test_bad_dtype_and_device(folder):
     from verispec.errors import VerispecError
     with pytest.raises(VerispecError, match="unknown dtype"):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from verispec.commands.options import WEIGHT_FORMATS, add_kv_cache_option, default_dtype, positive_int
+from verispec.commands.options import (WEIGHT_FORMATS, add_kv_cache_option, check_draft_options, default_dtype,
+                                       positive_int)
 
 
 def register(sub) -> None:
@@ -30,6 +31,7 @@ def run(args) -> int:
     from verispec.lab.calibrate import calibrate, check_profile_path
     from verispec.loading import draft_format, load_model
 
+    check_draft_options(args)
     if args.out:
         check_profile_path(args.out)  # before measuring, which takes minutes that a bad path would waste
     console = Console(highlight=False)
