@@ -42,11 +42,12 @@ from pathlib import Path
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
 
+from verispec.config import draft_format
 from verispec.generate import encode_prompt, generate
 from verispec.lab.calibrate import load_average, machine_facts, time_model
 from verispec.lab.costmodel import MeasuredCosts, alpha_from_counts, draft_cost, expected_tokens, predict_speedup
 from verispec.lab.prompts import spec_bench_path
-from verispec.loading import draft_format, load_model
+from verispec.loading import load_model
 
 TOLERANCE = 0.15
 

@@ -118,3 +118,10 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+
+def draft_format(target_weights: str | None, draft_weights: str | None) -> str | None:
+    """A draft's weight format: its own if one is given, else the target's. The draft's format
+    sets only its cost and how often it is right, never the output, and a float32 draft beside
+    a quantised target can cost about as much per step as the target itself."""
+    return draft_weights or target_weights

@@ -54,12 +54,12 @@ def run(args) -> int:
     import torch
     from rich.console import Console
 
+    from verispec.config import draft_format
     from verispec.errors import VerispecError
     from verispec.lab.bench import Bench, BenchSettings, load_for_bench, parse_proposer, spec_configs
     from verispec.lab.prompts import load_prompts
     from verispec.lab.records import RecordWriter, runs_by_key
     from verispec.lab.report import print_tables, summarize
-    from verispec.loading import draft_format
     from verispec.spec.compat import check_tokenizers
 
     console = Console(highlight=False)

@@ -29,7 +29,8 @@ def run(args) -> int:
     from rich.console import Console
 
     from verispec.lab.calibrate import calibrate, check_profile_path
-    from verispec.loading import draft_format, load_model
+    from verispec.config import draft_format
+    from verispec.loading import load_model
 
     check_draft_options(args)
     if args.out:

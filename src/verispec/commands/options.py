@@ -148,7 +148,8 @@ def load_target_and_draft(args) -> tuple:
     """Load --model (and --draft) with their formats, applying --threads first."""
     import torch
 
-    from verispec.loading import draft_format, load_model
+    from verispec.config import draft_format
+    from verispec.loading import load_model
 
     check_draft_options(args)
     if args.threads:

@@ -197,9 +197,13 @@ class Bench:
         weights = self.target.weights
         if self.target.model.cache_dtype is not None:  # a cache type asked for gives other runs
             weights += f"/kv-{self.target.kv_cache}"
-        draft = self.drafts.get(config.proposer.label) if config.proposer.kind == "draft" else None
         return run_key(self.label, weights, prompt_set, prompt.id, config, repeat, self.settings,
-                       draft.weights if draft is not None else None)
+                       self.draft_weights(config))
+
+    def draft_weights(self, config: RunConfig) -> str | None:
+        """The weight format of the run's draft model; None for other proposers."""
+        draft = self.drafts.get(config.proposer.label) if config.proposer.kind == "draft" else None
+        return draft.weights if draft is not None else None
 
     def run(self, prompt_set: str, prompts: list[Prompt], configs: list[RunConfig]) -> list[dict]:
         """Run (or reuse) every run of the plan; returns their records in plan order."""
@@ -325,7 +329,7 @@ class Bench:
             "category": prompt.category,
             "proposer": config.proposer.label,
             "proposer_kind": config.proposer.kind,
-            "draft_weights": self.drafts[config.proposer.label].weights if config.proposer.kind == "draft" else None,
+            "draft_weights": self.draft_weights(config),
             "alpha": config.proposer.alpha,
             "gamma": config.gamma,
             "adaptive": config.adaptive,

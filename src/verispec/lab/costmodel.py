@@ -45,7 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from verispec.config import ModelConfig
+from verispec.config import ModelConfig, draft_format
 from verispec.errors import VerispecError
 from verispec.spec.gamma import expected_tokens
 
@@ -598,7 +598,10 @@ class RooflineCosts:
     context: int = 256  # tokens already in the cache
 
     def weight_format(self, shape: ModelShape) -> WeightFormat:
-        chosen = self.target_weights if shape is self.target else self.draft_weights or self.target_weights
+        if shape is self.target:
+            chosen = self.target_weights
+        else:
+            chosen = draft_format(self.target_weights, self.draft_weights)
         return weight_format(chosen or shape.default_weights)
 
     def pass_cost(self, shape: ModelShape, positions: int) -> PassCost:

@@ -51,7 +51,7 @@ def run_demo(options: DemoOptions, console) -> int:
     from verispec.lab.bench import Bench, BenchSettings, RunConfig, parse_proposer
     from verispec.lab.records import RecordWriter
     from verispec.lab.report import print_tables, summarize
-    from verispec.loading import draft_format
+    from verispec.config import draft_format
 
     # checks the path before the models load; the last demo's records go only when this one has one
     writer = RecordWriter(options.out, fresh=True) if options.out else None

@@ -27,13 +27,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from verispec.config import draft_format
 from verispec.errors import VerispecError
 from verispec.generate import MAX_GAMMA
 from verispec.lab.bench import (Bench, BenchSettings, RunConfig, load_for_bench, parse_proposer, plan_runs,
                                 run_key, spec_configs)
 from verispec.lab.prompts import Prompt, load_prompts
 from verispec.lab.records import RecordWriter, runs_by_key
-from verispec.loading import draft_format
 from verispec.quant import FORMATS as WEIGHT_FORMATS
 from verispec.sampling import SEED_MAX, SEED_MIN
 from verispec.values import is_number, is_whole
@@ -57,6 +57,10 @@ class SweepConfig:
 
     def configs(self) -> list[RunConfig]:
         return spec_configs(self.proposers, self.gammas, self.adaptive)
+
+    def draft_format(self, target_weights: str) -> str:
+        """The format the draft models run in beside a target in `target_weights`."""
+        return draft_format(target_weights, self.draft_weights)
 
     def draft_models(self) -> list[str]:
         return [p.label for p in map(parse_proposer, self.proposers) if p.kind == "draft"]
@@ -189,8 +193,8 @@ def run_sweep(config: SweepConfig, out: str | Path | None = None, fresh: bool = 
     done = {} if fresh else runs_by_key(out)
     prompt_sets = {source: load_prompts(source, config.limit) for source in config.prompts}
     configs = config.configs()
-    todo = {(target, weights): _pending(target, weights, draft_format(weights, config.draft_weights), prompt_sets,
-                                        configs, config.settings, done)
+    todo = {(target, weights): _pending(target, weights, config.draft_format(weights), prompt_sets, configs,
+                                        config.settings, done)
             for target in config.targets for weights in config.weights}
     _check_models_exist(config, [target for (target, _), count in todo.items() if count])
     if config.threads:
@@ -216,8 +220,8 @@ def run_sweep(config: SweepConfig, out: str | Path | None = None, fresh: bool = 
                 continue  # every run of this target is already in the file: do not even load it
             progress.update(task, description=f"loading {target_spec} ({weights})")
             target = load_for_bench(target_spec, weights, config.device)
-            if draft_format(weights, config.draft_weights) != drafts_format:
-                drafts, drafts_format = {}, draft_format(weights, config.draft_weights)  # one format in memory
+            if config.draft_format(weights) != drafts_format:
+                drafts, drafts_format = {}, config.draft_format(weights)  # one format in memory at a time
             for name in config.draft_models():
                 if name not in drafts:
                     progress.update(task, description=f"loading draft {name} ({drafts_format})")

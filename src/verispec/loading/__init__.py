@@ -171,13 +171,6 @@ def settle_in_memory(model: nn.Module, mapped: set[int]) -> None:
         pass
 
 
-def draft_format(target_weights: str | None, draft_weights: str | None) -> str | None:
-    """A draft's weight format: its own if one is given, else the target's. The draft's format
-    sets only its cost and how often it is right, never the output, and a float32 draft beside
-    a quantised target can cost about as much per step as the target itself."""
-    return draft_weights or target_weights
-
-
 def load_model(spec: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
                weights: str | None = None, kv_cache: str | None = None) -> LoadedModel:
     """Load a demo model name, a GGUF file or a Hugging Face folder.
