@@ -420,6 +420,35 @@ def test_one_row_products_read_by_region_give_the_rows_of_a_longer_pass():
 
 
 @needs_kernels
+def test_passes_read_as_pairs_of_panels_give_the_rows_of_single_steps():
+    """Passes of up to pair_rows() rows read two panels at a time, each thread's region as
+    two streams (111 panels: an odd one out): every setting gives each row the bits of a
+    one-row step, for every pass size up to beyond the widest paired tile."""
+    k = kernels.cpu_kernels()
+    gen = torch.Generator().manual_seed(21)
+    n = 16 * 111
+    int8 = Int8Linear.from_float(torch.randn(n, 256, generator=gen), torch.randn(n, generator=gen))
+    int4, _, _ = _int4_layer(n, 256, seed=22)
+    panels8, panels4 = to_panels(int8.weight), k.int4_to_panels(int4.nibbles, int4.scales)
+    products = [lambda x, r: k.linear_int8_panels(x, panels8, int8.scale, int8.bias, r),
+                lambda x, r: k.linear_int4_panels(x, panels4, int4.bias, r)]
+    x, residual = _rows(256, seed=23, count=11), torch.randn(11, n, generator=gen)
+    singles = [torch.cat([product(x[i:i + 1], residual[i:i + 1]) for i in range(11)]) for product in products]
+    default = k.pair_rows()
+    try:
+        for setting in (1, 2, 5, 8, 100):
+            k.set_pair_rows(setting)
+            for product, single in zip(products, singles):
+                for m in range(2, 12):
+                    assert torch.equal(product(x[:m], residual[:m].contiguous()), single[:m])
+        with pytest.raises(RuntimeError, match="at least 1"):
+            k.set_pair_rows(0)
+    finally:
+        k.set_pair_rows(default)
+    assert default in (1, 8)
+
+
+@needs_kernels
 def test_reading_int8_panels_without_arithmetic_reads_every_byte():
     """The benchmarks' yardstick for the panel layout reads every line of every panel, on
     both threads' regions and an odd panel out (each output: an OR of its panel's lines)."""

@@ -253,6 +253,26 @@ void for_each_region_piece(int64_t count, int64_t stride, int64_t unit_panels, c
   });
 }
 
+// Products of up to this many rows read their panels as a one-row product does, two streams
+// per thread fetched pair_prefetch() bytes ahead (as far as the format has tiles that take
+// two panels with that many rows), unless `set_pair_rows` changes it: on Intel processors 8,
+// elsewhere 1. On the Intel Xeon these kernels were measured on, one stream per thread
+// fetched 20 KB ahead made passes of the int4 1.5B over 2 / 5 / 8 positions cost 1.67 /
+// 1.67 / 1.93 one-row steps, read as pairs 1.06 / 1.19 / 1.60 (int8: 1.17 / 1.41 / 1.67
+// against 1.07 / 1.21 / 1.40), with the same bits (benchmarks/pair_rows.py). On the AMD
+// EPYCs pairs are fetched by the hardware alone, which fell behind a stream of several rows
+// when this layout was written, so there it stays at one row until it is measured.
+int64_t default_pair_rows() {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("intel") ? 8 : 1;
+}
+std::atomic<int64_t> g_pair_rows{default_pair_rows()};
+inline int64_t pair_rows() { return g_pair_rows.load(std::memory_order_relaxed); }
+void set_pair_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 1, "pair rows must be at least 1, not ", rows);
+  g_pair_rows.store(rows, std::memory_order_relaxed);
+}
+
 // pair(p, q): each region read as two streams, its first half beside its second (q = -1
 // where an odd region leaves p alone)
 template <class Pair>
@@ -283,22 +303,20 @@ void for_each_panel_region(const uint8_t* panels, int64_t count, int64_t stride,
 // 10 + 7). tile(rows, p, q, row0, fetch_end, ahead) computes rows [row0, row0 + rows) of
 // panel p, and of panel q too when q >= 0.
 //
-// A one-row product (a plain decoding step) reads one region per thread: with `pairs` (every
-// panel format) as two streams, by the hardware prefetcher alone (software prefetching two
-// streams read less), or with set_panel_streams(1) as one stream fetched
-// `stream_prefetch()` bytes ahead. In the host's fast spells two streams read bfloat16
-// panels at 80.0 GB/s against 71.8 as one, float32 at 83.8 against 78.9
-// (`benchmarks/weight_streams.py --formats bfloat16 float32 --rows 1 --streams 1 2`). With more rows, each
-// thread takes pieces of about an eighth of its share from a shared counter, each piece a
-// stream fetched ahead, and only each panel's first tile fetches.
+// A product of one row (a plain decoding step), or of up to min(pair_max_rows, pair_rows())
+// rows, reads one region per thread as two streams side by side (q >= 0), fetched
+// pair_prefetch() bytes ahead, or with set_panel_streams(1) one row reads one stream
+// fetched `stream_prefetch()` bytes ahead. In the host's fast spells two streams read
+// bfloat16 panels at 80.0 GB/s against 71.8 as one, float32 at 83.8 against 78.9
+// (`benchmarks/weight_streams.py --formats bfloat16 float32 --rows 1 --streams 1 2`). With
+// more rows, each thread takes pieces of about an eighth of its share from a shared counter,
+// each piece a stream fetched ahead, and only each panel's first tile fetches.
 template <class Tile>
 void for_each_panel_tile(const uint8_t* panels, int64_t count, int64_t stride, int64_t k, int64_t m,
-                         int max_rows, bool pairs, const Tile& tile) {
-  const int64_t tiles = (m + max_rows - 1) / max_rows;
-  const bool paired = pairs && m == 1 && panel_streams() == 2;
-  if (paired) {
+                         int max_rows, int pair_max_rows, const Tile& tile) {
+  if (m <= std::min<int64_t>(pair_max_rows, pair_rows()) && panel_streams() == 2) {
     const int64_t ahead = pair_prefetch();
-    for_each_panel_pair(count, stride, [&](int64_t p, int64_t q) { tile(1, p, q, 0, nullptr, ahead); });
+    for_each_panel_pair(count, stride, [&](int64_t p, int64_t q) { tile(static_cast<int>(m), p, q, 0, nullptr, ahead); });
     return;
   }
   if (m == 1) {
@@ -309,6 +327,7 @@ void for_each_panel_tile(const uint8_t* panels, int64_t count, int64_t stride, i
     return;
   }
   // small products run on one thread: waking the others would cost more than it saves
+  const int64_t tiles = (m + max_rows - 1) / max_rows;
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kPanel * k * std::max<int64_t>(1, m)));
   const int64_t ahead = stream_prefetch();
   parallel_range(count, grain, [&](int64_t begin, int64_t end) {
@@ -337,17 +356,17 @@ struct IntegerTile {
 };
 
 // The tile loop of the integer panel products (int4, int8): tile(R, S, IntegerTile) with R
-// rows and S panels as std::integral_constant, a one-row product's pairs as <1, 2>,
-// otherwise <rows, 1>.
-template <int MaxRows, class Tile>
+// rows and S panels as std::integral_constant: <rows, 2> where a product reads pairs of
+// panels (at most MaxPairRows rows), otherwise <rows, 1>.
+template <int MaxRows, int MaxPairRows, class Tile>
 void for_each_integer_tile(const uint8_t* panels, int64_t n, int64_t k, int64_t m, int64_t stride, float* y,
                            const float* residual, const Tile& tile) {
-  for_each_panel_tile(panels, n / kPanel, stride, k, m, MaxRows, true,
+  for_each_panel_tile(panels, n / kPanel, stride, k, m, MaxRows, MaxPairRows,
                       [&](int rows, int64_t p, int64_t q, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
     const IntegerTile t{{panels + p * stride, panels + q * stride}, {p * kPanel, q * kPanel}, row0, y + row0 * n,
                         residual ? residual + row0 * n : nullptr, fetch_end, ahead};
-    if (q >= 0)  // a one-row product's two streams (fetched pair_prefetch() bytes ahead)
-      tile(std::integral_constant<int, 1>{}, std::integral_constant<int, 2>{}, t);
+    if (q >= 0)  // two streams (fetched pair_prefetch() bytes ahead)
+      with_rows<MaxPairRows>(rows, [&](auto r) { tile(r, std::integral_constant<int, 2>{}, t); });
     else
       with_rows<MaxRows>(rows, [&](auto r) { tile(r, std::integral_constant<int, 1>{}, t); });
   });
@@ -908,6 +927,9 @@ constexpr int64_t kPanelGroupBytes = 64 + 256;  // scales, then nibbles
 // rows per tile: the register budget is 32 zmm with AVX-512, 16 ymm (holding half as many
 // lanes) with AVX2
 constexpr int kPanelRows = kWideLanes ? 10 : 5;
+// The most rows an integer tile reads two panels with: 8 fill the 32 zmm registers (9 rows
+// spilled and lost to one panel at a time); with 16 ymm registers, one row.
+constexpr int kPairRows = kWideLanes ? 8 : 1;
 // Each thread's stream of panels is fetched stream_prefetch() bytes ahead: the hardware
 // prefetcher alone falls behind once a tile has several rows (9 rows: 1.6 ms -> 3.0 ms per
 // 1.5B layer when this kernel was written).
@@ -1052,7 +1074,7 @@ void matmul_panels(const uint8_t* panels, int64_t n, int64_t k, const float* x, 
                    const float* bias, const float* residual) {
   const RoundedRows xr = round_rows(x, m, k);
   const int64_t groups = k / kGroup, stride = groups * kPanelGroupBytes;
-  for_each_integer_tile<kPanelRows>(panels, n, k, m, stride, y, residual,
+  for_each_integer_tile<kPanelRows, kPairRows>(panels, n, k, m, stride, y, residual,
                                     [&](auto rows, auto streams, const IntegerTile& tile) {
     panel_tile<decltype(rows)::value, decltype(streams)::value>(tile, groups, xr, k, n, bias);
   });
@@ -1245,7 +1267,7 @@ template <class P>
 void matmul_float_panels(const uint8_t* panels, int64_t n, int64_t k, const float* x, int64_t m, float* y,
                          const float* bias, const float* residual) {
   const int64_t stride = kPanel * k * 4 / P::kPerLine;
-  for_each_panel_tile(panels, n / kPanel, stride, k, m, kFloatPanelRows, true,
+  for_each_panel_tile(panels, n / kPanel, stride, k, m, kFloatPanelRows, 1,
                       [&](int rows, int64_t p, int64_t q, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
     if (q >= 0) {  // a one-row product reading two streams
       float_panel_pair<P>(panels + p * stride, panels + q * stride, k, x, y, p * kPanel, q * kPanel, bias, residual,
@@ -1395,7 +1417,7 @@ at::Tensor linear_int8_panels(const at::Tensor& x, const at::Tensor& panels, con
   const float *sp = scale.data_ptr<float>(), *bp = optional_ptr(bias, n), *rp = optional_ptr(residual, m * n);
   float* yp = y.data_ptr<float>();
   const int64_t stride = kPanel * k;
-  for_each_integer_tile<kInt8PanelRows>(w, n, k, m, stride, yp, rp, [&](auto rows, auto streams, const IntegerTile& tile) {
+  for_each_integer_tile<kInt8PanelRows, kPairRows>(w, n, k, m, stride, yp, rp, [&](auto rows, auto streams, const IntegerTile& tile) {
     int8_panel_tile<decltype(rows)::value, decltype(streams)::value>(tile, k, xr, n, sp, bp);
   });
   return y;
@@ -1423,7 +1445,7 @@ at::Tensor read_int8_panels(const at::Tensor& panels) {
   const int64_t n = panels.size(0) * kPanel, k = panels.size(1) * 4;
   at::Tensor y = at::empty({1, n}, panels.options().dtype(at::kFloat));
   const uint8_t* w = reinterpret_cast<const uint8_t*>(panels.data_ptr<int8_t>());
-  for_each_integer_tile<kInt8PanelRows>(w, n, k, 1, kPanel * k, y.data_ptr<float>(), nullptr,
+  for_each_integer_tile<kInt8PanelRows, 1>(w, n, k, 1, kPanel * k, y.data_ptr<float>(), nullptr,
                                         [&](auto, auto streams, const IntegerTile& tile) {
     read_panel_lines<decltype(streams)::value>(tile, k);
   });
@@ -1927,8 +1949,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "how many bytes ahead the panel kernels fetch each thread's stream (0: leave it to the hardware)");
   m.def("stream_prefetch", &stream_prefetch, "the panel kernels' prefetch distance in bytes");
   m.def("set_pair_prefetch", &set_pair_prefetch,
-        "how many bytes ahead each of a one-row product's two streams is fetched in software (0: by the hardware alone)");
-  m.def("pair_prefetch", &pair_prefetch, "how many bytes ahead a one-row product's two streams are fetched");
+        "how many bytes ahead each of a product's two streams per thread is fetched in software (0: by the hardware alone)");
+  m.def("pair_prefetch", &pair_prefetch, "how many bytes ahead a product's two streams per thread are fetched");
+  m.def("set_pair_rows", &set_pair_rows, "products of up to this many rows read two streams per thread "
+        "(where the format has such tiles)");
+  m.def("pair_rows", &pair_rows, "up to how many rows a product reads two streams per thread");
   m.def("set_panel_streams", &set_panel_streams, "streams each thread reads side by side in few-row products (1 or 2)");
   m.def("panel_streams", &panel_streams, "streams each thread reads side by side in few-row products");
   m.def("stream_sum", &stream_sum, "sum of a float32 tensor, read once (with prefetch: `ahead` bytes ahead, "
