@@ -76,7 +76,7 @@ def measure(fmt: str, model_name: str, settings: list[int], rows: list[int], rou
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--formats", nargs="+", default=["int4", "int8"])
+    parser.add_argument("--formats", nargs="+", default=["int4", "int8", "bfloat16", "float32"])
     parser.add_argument("--settings", type=int, nargs="+", default=[1, 8], help="pair_rows values to compare")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 5, 6, 7, 8, 9])
     parser.add_argument("--rounds", type=int, default=5)

@@ -421,17 +421,20 @@ def test_one_row_products_read_by_region_give_the_rows_of_a_longer_pass():
 
 @needs_kernels
 def test_passes_read_as_pairs_of_panels_give_the_rows_of_single_steps():
-    """Passes of up to pair_rows() rows read two panels at a time, each thread's region as
-    two streams (111 panels: an odd one out): every setting gives each row the bits of a
-    one-row step, for every pass size up to beyond the widest paired tile."""
+    """Passes of up to pair_rows() rows read two panels at a time, in tiles of as many rows
+    as the format's paired tiles take, each thread's region as two streams (111 panels: an
+    odd one out): every setting gives each row the bits of a one-row step, for every pass
+    size up to beyond the widest paired tile."""
     k = kernels.cpu_kernels()
     gen = torch.Generator().manual_seed(21)
     n = 16 * 111
     int8 = Int8Linear.from_float(torch.randn(n, 256, generator=gen), torch.randn(n, generator=gen))
     int4, _, _ = _int4_layer(n, 256, seed=22)
     panels8, panels4 = to_panels(int8.weight), k.int4_to_panels(int4.nibbles, int4.scales)
+    floats = [to_panels(torch.randn(n, 256, generator=gen).to(dtype)) for dtype in (torch.float32, torch.bfloat16)]
     products = [lambda x, r: k.linear_int8_panels(x, panels8, int8.scale, int8.bias, r),
-                lambda x, r: k.linear_int4_panels(x, panels4, int4.bias, r)]
+                lambda x, r: k.linear_int4_panels(x, panels4, int4.bias, r),
+                *[lambda x, r, p=p: k.linear_float_panels(x, p, int8.bias, r) for p in floats]]
     x, residual = _rows(256, seed=23, count=11), torch.randn(11, n, generator=gen)
     singles = [torch.cat([product(x[i:i + 1], residual[i:i + 1]) for i in range(11)]) for product in products]
     default = k.pair_rows()

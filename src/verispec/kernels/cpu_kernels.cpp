@@ -254,12 +254,13 @@ void for_each_region_piece(int64_t count, int64_t stride, int64_t unit_panels, c
 }
 
 // Products of up to this many rows read their panels as a one-row product does, two streams
-// per thread fetched pair_prefetch() bytes ahead (as far as the format has tiles that take
-// two panels with that many rows), unless `set_pair_rows` changes it: on Intel processors 8,
-// elsewhere 1. On the Intel Xeon these kernels were measured on, one stream per thread
-// fetched 20 KB ahead made passes of the int4 1.5B over 2 / 5 / 8 positions cost 1.67 /
-// 1.67 / 1.93 one-row steps, read as pairs 1.06 / 1.19 / 1.60 (int8: 1.17 / 1.41 / 1.67
-// against 1.07 / 1.21 / 1.40), with the same bits (benchmarks/pair_rows.py). On the AMD
+// per thread fetched pair_prefetch() bytes ahead, where the format has a tile that takes two
+// panels with that many rows (integers up to 8, floats up to 3), unless `set_pair_rows`
+// changes it: on Intel processors 8, elsewhere 1. On the Intel Xeon these kernels were
+// measured on, one stream per thread fetched 20 KB ahead made passes of the 1.5B over 2 / 5
+// / 8 positions cost 1.49 / 1.63 / 1.83 one-row steps in int4; read as pairs 1.11 / 1.23 /
+// 1.67 (int8: 1.23 / 1.37 / 1.70 against 1.06 / 1.17 / 1.41; bfloat16 over 2 and 3: 1.51
+// and 1.57 against 1.09 and 1.10), with the same bits (benchmarks/pair_rows.py). On the AMD
 // EPYCs pairs are fetched by the hardware alone, which fell behind a stream of several rows
 // when this layout was written, so there it stays at one row until it is measured.
 int64_t default_pair_rows() {
@@ -1223,14 +1224,17 @@ __attribute__((noinline)) void float_panel_tile(const uint8_t* panel, int64_t k,
   }
 }
 
-// one row x the 16 columns of two panels read side by side (each column's sums in the same
-// order as float_panel_tile<P, 1>, so the same bits)
-template <class P>
+// rows [0, R) x the 16 columns of two panels read side by side (each column's sums in the
+// same order as float_panel_tile<P, R>, so the same bits); `ahead`: how far ahead both
+// streams are fetched (0: not at all)
+template <class P, int R>
 __attribute__((noinline)) void float_panel_pair(const uint8_t* pa, const uint8_t* pb, int64_t k, const float* x,
-                                                float* y, int64_t col_a, int64_t col_b, const float* bias,
-                                                const float* residual, int64_t ahead) {
+                                                float* y, int64_t ldy, int64_t col_a, int64_t col_b,
+                                                const float* bias, const float* residual, int64_t ahead) {
   constexpr int L = P::kPerLine, kLinesPerStep = 4 / L;
-  Lanes a0 = lzero(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  Lanes a[4][R], b[4][R];  // accumulator i of row r, panel a and panel b
+  for (int i = 0; i < 4; ++i)
+    for (int r = 0; r < R; ++r) a[i][r] = b[i][r] = lzero();
   for (int64_t kk = 0; kk < k; kk += 4) {
     const uint8_t *la = pa + kk / L * 64, *lb = pb + kk / L * 64;
     if (ahead) {
@@ -1242,36 +1246,40 @@ __attribute__((noinline)) void float_panel_pair(const uint8_t* pa, const uint8_t
       P::unpack(iload(la + 64 * l), wa + l * L);
       P::unpack(iload(lb + 64 * l), wb + l * L);
     }
-    const Lanes x0 = lset1(x[kk]), x1 = lset1(x[kk + 1]);
-    const Lanes x2 = lset1(x[kk + 2]), x3 = lset1(x[kk + 3]);
-    a0 = lfma(wa[0], x0, a0);
-    a1 = lfma(wa[1], x1, a1);
-    a2 = lfma(wa[2], x2, a2);
-    a3 = lfma(wa[3], x3, a3);
-    b0 = lfma(wb[0], x0, b0);
-    b1 = lfma(wb[1], x1, b1);
-    b2 = lfma(wb[2], x2, b2);
-    b3 = lfma(wb[3], x3, b3);
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 4; ++i) {
+        const Lanes xi = lset1(x[r * k + kk + i]);
+        a[i][r] = lfma(wa[i], xi, a[i][r]);
+        b[i][r] = lfma(wb[i], xi, b[i][r]);
+      }
   }
   const int64_t cols[2] = {col_a, col_b};
-  const Lanes sums[2] = {ladd(ladd(a0, a1), ladd(a2, a3)), ladd(ladd(b0, b1), ladd(b2, b3))};
-  for (int j = 0; j < 2; ++j) {
-    Lanes v = sums[j];
-    if (bias) v = ladd(v, lload(bias + cols[j]));
-    if (residual) v = ladd(v, lload(residual + cols[j]));
-    lstore(y + cols[j], v);
-  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2; ++j) {
+      const auto& acc = j == 0 ? a : b;
+      Lanes v = ladd(ladd(acc[0][r], acc[1][r]), ladd(acc[2][r], acc[3][r]));
+      if (bias) v = ladd(v, lload(bias + cols[j]));
+      if (residual) v = ladd(v, lload(residual + r * ldy + cols[j]));
+      lstore(y + r * ldy + cols[j], v);
+    }
 }
+
+// The most rows a float tile reads two panels with: 8 accumulators per row, 24 of the 32 zmm
+// at 3 rows; with 16 ymm registers, one row.
+constexpr int kFloatPairRows = kWideLanes ? 3 : 1;
 
 template <class P>
 void matmul_float_panels(const uint8_t* panels, int64_t n, int64_t k, const float* x, int64_t m, float* y,
                          const float* bias, const float* residual) {
   const int64_t stride = kPanel * k * 4 / P::kPerLine;
-  for_each_panel_tile(panels, n / kPanel, stride, k, m, kFloatPanelRows, 1,
+  for_each_panel_tile(panels, n / kPanel, stride, k, m, kFloatPanelRows, kFloatPairRows,
                       [&](int rows, int64_t p, int64_t q, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
-    if (q >= 0) {  // a one-row product reading two streams
-      float_panel_pair<P>(panels + p * stride, panels + q * stride, k, x, y, p * kPanel, q * kPanel, bias, residual,
-                          ahead);
+    if (q >= 0) {  // two streams
+      with_rows<kFloatPairRows>(rows, [&](auto r) {
+        float_panel_pair<P, decltype(r)::value>(panels + p * stride, panels + q * stride, k, x + row0 * k,
+                                                y + row0 * n, n, p * kPanel, q * kPanel, bias,
+                                                residual ? residual + row0 * n : nullptr, ahead);
+      });
       return;
     }
     const uint8_t* panel = panels + p * stride;
