@@ -377,22 +377,31 @@ def test_the_prefetch_distance_changes_speed_only():
     assert k.stream_prefetch() == default == 20 * 1024
 
 
-@needs_kernels
-def test_one_row_products_read_by_region_give_the_rows_of_a_longer_pass():
-    """A one-row product reads one region of panels per thread (as two streams side by side,
-    or one): the very rows a three-row pass gives (111 panels: two regions, of odd and even
-    length)."""
+def _products_of_111_panels(seed: int) -> tuple[list, int]:
+    """Products of 111 panels (two regions per thread, of odd and even length) in int8, int4,
+    float32 and bfloat16, with and without bias, as (x, residual) -> y, and their output width."""
     k = kernels.cpu_kernels()
-    gen = torch.Generator().manual_seed(14)
+    gen = torch.Generator().manual_seed(seed)
     n = 16 * 111
     int8 = Int8Linear.from_float(torch.randn(n, 256, generator=gen), torch.randn(n, generator=gen))
-    int4, _, _ = _int4_layer(n, 256, seed=15)
+    int4, _, _ = _int4_layer(n, 256, seed=seed + 1)
     panels8, panels4 = to_panels(int8.weight), k.int4_to_panels(int4.nibbles, int4.scales)
     floats = {dtype: to_panels(torch.randn(n, 256, generator=gen).to(dtype)) for dtype in (torch.float32, torch.bfloat16)}
     products = [lambda x, r: k.linear_int8_panels(x, panels8, int8.scale, int8.bias, r),
                 lambda x, r: k.linear_int4_panels(x, panels4, int4.bias, r),
                 *[lambda x, r, p=p: k.linear_float_panels(x, p, None, r) for p in floats.values()],
                 lambda x, r: k.linear_float_panels(x, floats[torch.bfloat16], int8.bias, r)]
+    return products, n
+
+
+@needs_kernels
+def test_one_row_products_read_by_region_give_the_rows_of_a_longer_pass():
+    """A one-row product reads one region of panels per thread (as two streams side by side,
+    or one): the very rows a three-row pass gives (111 panels: two regions, of odd and even
+    length)."""
+    k = kernels.cpu_kernels()
+    products, n = _products_of_111_panels(seed=14)
+    gen = torch.Generator().manual_seed(17)
     x, residual = _rows(256, seed=16, count=3), torch.randn(3, n, generator=gen)
     default, default_ahead = k.panel_streams(), k.pair_prefetch()
     try:
@@ -421,21 +430,13 @@ def test_one_row_products_read_by_region_give_the_rows_of_a_longer_pass():
 
 @needs_kernels
 def test_passes_read_as_pairs_of_panels_give_the_rows_of_single_steps():
-    """Passes of up to pair_rows() rows read two panels at a time, in tiles of as many rows
-    as the format's paired tiles take, each thread's region as two streams (111 panels: an
-    odd one out): every setting gives each row the bits of a one-row step, for every pass
-    size up to beyond the widest paired tile."""
+    """Passes of up to pair_rows() rows (as many as the format's paired tiles take) read two
+    panels at a time, each thread's region as two streams (111 panels: an odd one out):
+    every setting gives each row the bits of a one-row step, for every pass size up to
+    beyond the widest paired tile."""
     k = kernels.cpu_kernels()
-    gen = torch.Generator().manual_seed(21)
-    n = 16 * 111
-    int8 = Int8Linear.from_float(torch.randn(n, 256, generator=gen), torch.randn(n, generator=gen))
-    int4, _, _ = _int4_layer(n, 256, seed=22)
-    panels8, panels4 = to_panels(int8.weight), k.int4_to_panels(int4.nibbles, int4.scales)
-    floats = [to_panels(torch.randn(n, 256, generator=gen).to(dtype)) for dtype in (torch.float32, torch.bfloat16)]
-    products = [lambda x, r: k.linear_int8_panels(x, panels8, int8.scale, int8.bias, r),
-                lambda x, r: k.linear_int4_panels(x, panels4, int4.bias, r),
-                *[lambda x, r, p=p: k.linear_float_panels(x, p, int8.bias, r) for p in floats]]
-    x, residual = _rows(256, seed=23, count=11), torch.randn(11, n, generator=gen)
+    products, n = _products_of_111_panels(seed=21)
+    x, residual = _rows(256, seed=23, count=11), torch.randn(11, n, generator=torch.Generator().manual_seed(24))
     singles = [torch.cat([product(x[i:i + 1], residual[i:i + 1]) for i in range(11)]) for product in products]
     default = k.pair_rows()
     try:
