@@ -1,12 +1,12 @@
 """Up to how many rows a product should read its panels as two streams per thread (`set_pair_rows`).
 
-    python benchmarks/pair_rows.py                             # the 1.5B, int4 and int8, 1 against 8
-    python benchmarks/pair_rows.py --settings 1 5 8 --rows 1 5 8 9 --rounds 8
+    python benchmarks/pair_rows.py                             # the 1.5B in every format, 1 against 8
+    python benchmarks/pair_rows.py --formats int4 --settings 1 5 8 --rows 1 5 8 9 --rounds 8
 
 A one-row product reads each thread's region as two streams side by side, fetched
 pair_prefetch() bytes ahead. A verification pass over several positions can read its panels
-the same way (integer tiles of up to 8 rows that take two panels at once) or as one stream
-per thread fetched stream_prefetch() bytes ahead. For each weight format the model runs
+the same way (tiles that take two panels at once: up to 8 rows in int8 and int4, 3 in the
+float formats) or as one stream per thread fetched stream_prefetch() bytes ahead. For each weight format the model runs
 forward passes over m positions with each setting in turn, round by round, so that a change
 in the machine's load hits every setting alike; every setting's logits are first checked to
 be bit-identical (the tiles sum in the same order). Prints r(m) = t(m) / t(1) per setting,

@@ -307,11 +307,11 @@ void for_each_panel_region(const uint8_t* panels, int64_t count, int64_t stride,
 // A product of one row (a plain decoding step), or of up to min(pair_max_rows, pair_rows())
 // rows, reads one region per thread as two streams side by side (q >= 0), fetched
 // pair_prefetch() bytes ahead (0: by the hardware alone), or with set_panel_streams(1) one
-// row reads one stream fetched `stream_prefetch()` bytes ahead. In the host's fast spells two streams read
-// bfloat16 panels at 80.0 GB/s against 71.8 as one, float32 at 83.8 against 78.9
-// (`benchmarks/weight_streams.py --formats bfloat16 float32 --rows 1 --streams 1 2`). With
-// more rows, each thread takes pieces of about an eighth of its share from a shared counter,
-// each piece a stream fetched ahead, and only each panel's first tile fetches.
+// row reads one stream fetched `stream_prefetch()` bytes ahead. In the host's fast spells
+// two streams read bfloat16 panels at 80.0 GB/s against 71.8 as one, float32 at 83.8
+// against 78.9 (`benchmarks/weight_streams.py --formats bfloat16 float32 --rows 1 --streams
+// 1 2`). With more rows, each thread takes pieces of about an eighth of its share from a
+// shared counter, each piece a stream fetched ahead, and only each panel's first tile fetches.
 template <class Tile>
 void for_each_panel_tile(const uint8_t* panels, int64_t count, int64_t stride, int64_t k, int64_t m,
                          int max_rows, int pair_max_rows, const Tile& tile) {
