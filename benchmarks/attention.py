@@ -16,6 +16,14 @@ reading at the read bandwidth measured in the same run (int8 weights: 1.55 GB pe
 a share is a ratio within one run. The cache is float32, as decoding keeps it; --caches
 times the kernel's 16-bit caches too, each after the other at every size, with its speed
 against the first type's.
+
+    python benchmarks/attention.py --patch benchmarks/variants/some_change.patch
+    python benchmarks/attention.py --variant /path/to/changed_cpu_kernels.cpp
+
+With --patch or --variant, a changed kernel source (built as `stack_ab.py` builds it) is
+timed against the current one instead: at every size the ways take turns round by round,
+each over the same caches, so the ratios are within one run; each way's output is first
+checked to equal the current kernels' bit for bit.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
@@ -36,26 +45,86 @@ INT8_STEP_BYTES = 1.547e9  # the 1.5B in int8 (decode_bandwidth.py prints the sa
 CACHES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class Inputs:
+    """28 layers' caches of `context` positions (random keys and values in `cache`'s type) and
+    m new positions' q/k/v, as one step's attention calls see them."""
+
+    def __init__(self, context: int, m: int, cache: str = "float32"):
+        generator = torch.Generator().manual_seed(0)
+        dtype = CACHES[cache]
+        self.context = context
+        self.layers = [(torch.randn(KV_HEADS, context + m, HEAD_DIM, generator=generator).to(dtype),
+                        torch.randn(KV_HEADS, context + m, HEAD_DIM, generator=generator).to(dtype))
+                       for _ in range(LAYERS)]
+        self.qkv = torch.randn(m, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=generator)
+        angles = torch.rand(m, HEAD_DIM, generator=generator)
+        self.cos, self.sin = angles.cos().contiguous(), angles.sin().contiguous()
+
+    def call(self, kernels, layer: int) -> torch.Tensor:
+        k, v = self.layers[layer % LAYERS]
+        return kernels.attention(self.qkv, k, v, self.cos, self.sin, self.context, HEADS, KV_HEADS, 0, None, None, 1e-6)
+
+    def seconds_per_call(self, kernels, calls: int) -> float:
+        started = time.perf_counter()
+        for call in range(calls):
+            self.call(kernels, call)
+        return (time.perf_counter() - started) / calls
+
+
 def time_attention(kernels, context: int, m: int, calls: int, rounds: int = 5, cache: str = "float32") -> float:
     """Median seconds of one attention call for m new positions after `context` cached ones,
     keys and values cached in `cache`."""
-    generator = torch.Generator().manual_seed(0)
-    max_len = context + m
-    dtype = CACHES[cache]
-    layers = [(torch.randn(KV_HEADS, max_len, HEAD_DIM, generator=generator).to(dtype),
-               torch.randn(KV_HEADS, max_len, HEAD_DIM, generator=generator).to(dtype)) for _ in range(LAYERS)]
-    qkv = torch.randn(m, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=generator)
-    angles = torch.rand(m, HEAD_DIM, generator=generator)
-    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
-    times = []
+    inputs = Inputs(context, m, cache)
+    inputs.seconds_per_call(kernels, calls)  # warms up
+    return median([inputs.seconds_per_call(kernels, calls) for _ in range(rounds)])
+
+
+def compare_ways(ways: dict, context: int, m: int, calls: int, rounds: int) -> dict[str, float]:
+    """Median seconds per call of each way (name -> kernel module) at one size, the ways
+    taking turns round by round over the same caches."""
+    inputs = Inputs(context, m)
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    names = list(ways)
     for round_index in range(rounds + 1):
-        started = time.perf_counter()
-        for call in range(calls):
-            k, v = layers[call % LAYERS]
-            kernels.attention(qkv, k, v, cos, sin, context, HEADS, KV_HEADS, 0, None, None, 1e-6)
-        if round_index:  # the first round warms up
-            times.append((time.perf_counter() - started) / calls)
-    return median(times)
+        for name in names[round_index % len(names):] + names[:round_index % len(names)]:
+            seconds = inputs.seconds_per_call(ways[name], calls)
+            if round_index:  # the first round warms up
+                times[name].append(seconds)
+    return {name: median(t) for name, t in times.items()}
+
+
+def main_compare(args, current) -> int:
+    """--patch / --variant: each changed kernel source against the current one, size by size."""
+    import tempfile
+
+    from stack_ab import build_variant, patched
+
+    scratch = tempfile.TemporaryDirectory()
+    sources = args.variant + [patched(patch, Path(scratch.name)) for patch in args.patch]
+    ways = {"current": current}
+    for source in sources:
+        ways[source.name] = build_variant(source)[0]
+    print(f"attention, 1.5B shapes, {len(ways) - 1} changed kernel(s) against the current: "
+          f"{torch.get_num_threads()} threads, {machine_load()}")
+    warn_if_busy()
+    rows = []
+    for m in args.rows:
+        for context in args.contexts:
+            inputs = Inputs(context, m)
+            reference = inputs.call(current, 0)
+            for name, kernels in ways.items():
+                if not args.no_check and not torch.equal(inputs.call(kernels, 0), reference):
+                    print(f"{name}: its output differs from the current kernels' at m = {m}, context {context} "
+                          "(use --no-check if that is intended)")
+                    return 1
+            calls = LAYERS * max(1, int((2e6 if args.quick else 2e7) / (LAYERS * context * (m + 1) * HEADS * HEAD_DIM)))
+            seconds = compare_ways(ways, context, m, calls, rounds=3 if args.quick else 9)
+            rows.append({"m": m, "context": context, "call_s": seconds})
+            cells = [f"{name} {s * 1e6:.1f} µs" + ("" if name == "current" else f" ({seconds['current'] / s:.2f}x)")
+                     for name, s in seconds.items()]
+            print(f"  m = {m}, context {context:>5}: " + ", ".join(cells))
+    save(args.save_as, {"ways": list(ways), "rows": rows})
+    return 0
 
 
 def main() -> int:
@@ -66,6 +135,12 @@ def main() -> int:
     parser.add_argument("--caches", nargs="+", default=["float32"], choices=list(CACHES),
                         help="cache the keys and values in these types, each timed in turn (default: float32, "
                              "what decoding uses)")
+    parser.add_argument("--variant", type=Path, action="append", default=[],
+                        help="time a changed cpu_kernels.cpp against the current one")
+    parser.add_argument("--patch", type=Path, action="append", default=[],
+                        help="time the current cpu_kernels.cpp with this patch applied against it")
+    parser.add_argument("--no-check", action="store_true", help="with --patch/--variant: do not require equal outputs")
+    parser.add_argument("--save-as", default="attention_ab", help="with --patch/--variant: results/perf/<host>/<name>.json")
     args = parser.parse_args()
     from verispec.kernels import cpu_kernels
 
@@ -73,6 +148,8 @@ def main() -> int:
     if kernels is None:
         print("the CPU kernels are not available on this machine")
         return 1
+    if args.variant or args.patch:
+        return main_compare(args, kernels)
     print(f"attention, 1.5B shapes: {torch.get_num_threads()} threads, {machine_load()}")
     warn_if_busy()
     bandwidth = read_bandwidth(0.25 if args.quick else 0.5, repeats=2 if args.quick else 3)

@@ -3,6 +3,7 @@
     python benchmarks/stack_ab.py --variant /path/to/changed_cpu_kernels.cpp
     python benchmarks/stack_ab.py --patch benchmarks/variants/reuse_buffers.patch --rounds 300
     python benchmarks/stack_ab.py --weights bfloat16 --variant a.cpp --variant b.cpp
+    python benchmarks/stack_ab.py --weights int8 --context 2048 --variant old.cpp
 
 Each variant is a whole copy of src/verispec/kernels/cpu_kernels.cpp (--variant), or the
 current one with a patch applied (--patch; benchmarks/variants/ keeps the trials NOTES.md
@@ -96,6 +97,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--steps", type=int, default=5, help="steps per way and round (their median counts)")
     parser.add_argument("--no-check", action="store_true", help="do not require bit-identical logits")
+    parser.add_argument("--context", type=int, default=0,
+                        help="step after this many cached positions (the prompt repeated) instead of after the "
+                             "prompt alone, where attention weighs more")
     parser.add_argument("--save-as", default="stack_ab", help="results/perf/<host>/<name>.json")
     args = parser.parse_args()
     if not args.variant and not args.patch:
@@ -115,6 +119,8 @@ def main() -> int:
     loaded = load_model(args.model, "bfloat16" if args.weights == "bfloat16" else "float32", weights=args.weights)
     model = loaded.model
     ids = loaded.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
+    if args.context:
+        ids = (ids * (args.context // len(ids) + 1))[:args.context]
     cache = model.new_cache(len(ids) + 2)
     model(torch.tensor([ids]), cache)
     ways = {name: Way(kernels, model, cache, cache.length, ids[-1]) for name, kernels in modules.items()}
@@ -126,6 +132,7 @@ def main() -> int:
     nbytes = loaded.weight_bytes()
     names = list(ways)
     print(f"{model.config.num_hidden_layers}-layer {args.model} in {args.weights} ({nbytes / 1e9:.2f} GB read per step), "
+          f"steps after {len(ids)} positions, "
           f"{torch.get_num_threads()} threads, {machine_load()}; ways: {', '.join(names)}")
     warn_if_busy()
 
@@ -140,7 +147,7 @@ def main() -> int:
         for name in names:
             ratio = "" if name == "current" else f", step time {result['time_vs_current'][name]:.4f}x the current"
             print(f"  {name:>24}: {result['utilisation'][name]:.1%} of the read bandwidth{ratio}")
-    save(args.save_as, {"model": args.model, "weights": args.weights, "weight_bytes": nbytes,
+    save(args.save_as, {"model": args.model, "weights": args.weights, "weight_bytes": nbytes, "context": len(ids),
                         "variants": {name: {"file": str(origin), "sha1": digests[source.name]}
                                      for name, source, origin in zip(names[1:], sources, args.variant + args.patch)},
                         "spells": summary, "rounds": records})
