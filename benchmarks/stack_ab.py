@@ -3,14 +3,16 @@
     python benchmarks/stack_ab.py --variant /path/to/changed_cpu_kernels.cpp
     python benchmarks/stack_ab.py --patch benchmarks/variants/reuse_buffers.patch --rounds 300
     python benchmarks/stack_ab.py --weights bfloat16 --variant a.cpp --variant b.cpp
-    python benchmarks/stack_ab.py --weights int8 --context 2048 --variant old.cpp
+    python benchmarks/stack_ab.py --weights int8 --context 2048 --positions 5 --variant old.cpp
 
 Each variant is a whole copy of src/verispec/kernels/cpu_kernels.cpp (--variant), or the
 current one with a patch applied (--patch; benchmarks/variants/ keeps the trials NOTES.md
 describes, each against the source of its day), compiled with the same flags as its own
 module. The model is loaded once; every way gets its own lean forward (`fast.FastPath`:
 decoder stack and output layer) bound to the same weight tensors, so the ways differ only
-in their code. A step is that forward over one position after a prompt (no sampling).
+in their code. A step is that forward over one position after a prompt (no sampling);
+--positions makes it a verification pass over several, --context puts a long context
+before it.
 
 Rounds take turns (the order rotates), each way timed over a few steps, and each round sits
 between two read-bandwidth measurements. Utilisation is bytes of weights per step over the
@@ -67,16 +69,17 @@ def patched(patch: Path, into: Path) -> Path:
 class Way:
     """One kernel module's lean forward (`fast.FastPath`) over the model's tensors."""
 
-    def __init__(self, kernels, model, cache, prompt_length: int, token: int):
+    def __init__(self, kernels, model, cache, prompt_length: int, tokens: list[int]):
         from verispec.fast import FastPath
 
         self.forward, self.cache, self.start = FastPath(model, kernels), cache, prompt_length
-        self.token = torch.tensor([[token]])
+        self.tokens = torch.tensor([tokens])
 
     def step(self) -> torch.Tensor:
-        """The logits of one position; the cache is written at the same place every time."""
+        """The logits of the step's positions (one, or a verification pass's); the cache is
+        written at the same place every time."""
         self.cache.rollback(self.start)
-        return self.forward(self.token, self.cache, last_only=True)
+        return self.forward(self.tokens, self.cache, last_only=self.tokens.shape[1] == 1)
 
     def timed(self, steps: int) -> float:
         self.step()
@@ -100,6 +103,8 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=0,
                         help="step after this many cached positions (the prompt repeated) instead of after the "
                              "prompt alone, where attention weighs more")
+    parser.add_argument("--positions", type=int, default=1,
+                        help="positions per step: more than 1 times a verification pass (γ + 1) instead")
     parser.add_argument("--save-as", default="stack_ab", help="results/perf/<host>/<name>.json")
     args = parser.parse_args()
     if not args.variant and not args.patch:
@@ -121,9 +126,9 @@ def main() -> int:
     ids = loaded.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
     if args.context:
         ids = (ids * (args.context // len(ids) + 1))[:args.context]
-    cache = model.new_cache(len(ids) + 2)
+    cache = model.new_cache(len(ids) + args.positions + 1)
     model(torch.tensor([ids]), cache)
-    ways = {name: Way(kernels, model, cache, cache.length, ids[-1]) for name, kernels in modules.items()}
+    ways = {name: Way(kernels, model, cache, cache.length, ids[-args.positions:]) for name, kernels in modules.items()}
     reference = ways["current"].step()
     for name, way in ways.items():
         if not args.no_check and not torch.equal(way.step(), reference):
@@ -132,7 +137,7 @@ def main() -> int:
     nbytes = loaded.weight_bytes()
     names = list(ways)
     print(f"{model.config.num_hidden_layers}-layer {args.model} in {args.weights} ({nbytes / 1e9:.2f} GB read per step), "
-          f"steps after {len(ids)} positions, "
+          f"steps of {args.positions} position(s) after {len(ids)}, "
           f"{torch.get_num_threads()} threads, {machine_load()}; ways: {', '.join(names)}")
     warn_if_busy()
 
@@ -148,6 +153,7 @@ def main() -> int:
             ratio = "" if name == "current" else f", step time {result['time_vs_current'][name]:.4f}x the current"
             print(f"  {name:>24}: {result['utilisation'][name]:.1%} of the read bandwidth{ratio}")
     save(args.save_as, {"model": args.model, "weights": args.weights, "weight_bytes": nbytes, "context": len(ids),
+                        "positions": args.positions,
                         "variants": {name: {"file": str(origin), "sha1": digests[source.name]}
                                      for name, source, origin in zip(names[1:], sources, args.variant + args.patch)},
                         "spells": summary, "rounds": records})
