@@ -121,11 +121,12 @@ def test_a_long_prompt_goes_through_in_slices(folder):
 def test_attention_reads_a_groups_keys_once_with_the_same_bits_as_head_by_head(hq, hkv):
     """On one thread the query heads sharing a key/value head go through the cache together;
     with more threads than such groups, head by head. Both give the same bits, and the
-    attention of a plain reference (no rotation: cos 1, sin 0)."""
+    attention of a plain reference (no rotation: cos 1, sin 0). The values are weighed in
+    tiles of 16 KB of the cache (64 positions here), so the longer contexts span several."""
     attention = kernels.cpu_kernels().attention
     generator = torch.Generator().manual_seed(hq)
-    d, start = 64, 37
-    for m, window in [(1, 0), (5, 0), (3, 20)]:
+    d = 64
+    for m, window, start in [(1, 0, 37), (5, 0, 37), (3, 20, 37), (1, 0, 300), (5, 0, 300), (2, 150, 300)]:
         k = torch.randn(hkv, start + m, d, generator=generator)
         v = torch.randn(hkv, start + m, d, generator=generator)
         qkv = torch.randn(m, (hq + 2 * hkv) * d, generator=generator)

@@ -180,7 +180,7 @@ void set_stream_prefetch(int64_t bytes) {
 // took the 1.5B's one-row steps from 37.1 to 33.5 ms in int4 and from 122 to 99 ms in
 // bfloat16, near the best distance in every format; on an AMD EPYC (Zen 4), fetching two
 // streams in software read less than the hardware alone (benchmarks/pair_prefetch.py
-// compares distances).
+// compares distances). Attention fetches its cached keys and values as far ahead.
 int64_t default_pair_prefetch() {
   __builtin_cpu_init();  // this runs among the static initialisers
   return __builtin_cpu_is("intel") ? 1536 : 0;
@@ -201,6 +201,13 @@ inline void fetch_ahead(const uint8_t* p, int64_t ahead, int lines) {
 inline void prefetch_lines(const uint8_t* from, const uint8_t* to, const uint8_t* end) {
   for (const uint8_t* p = from; p < std::min(to, end); p += 64)
     _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
+
+// Fetches the `bytes` (a whole number of lines) from p + ahead on: a cache row `ahead` bytes
+// ahead of the one at p, in a stream of rows.
+inline void prefetch_row(const void* p, int64_t bytes, int64_t ahead) {
+  for (int64_t line = 0; line < bytes; line += 64)
+    _mm_prefetch(static_cast<const char*>(p) + ahead + line, _MM_HINT_T0);
 }
 
 constexpr int kPanel = 16;  // output columns per panel, in every panel layout
@@ -1546,7 +1553,12 @@ void score_together(const float* q, const T* keys, int64_t d, int64_t from, int6
                     float* scores, int64_t stride, float* best) {
   constexpr int U = C == 1 ? 4 : 1;  // keys at a time: a lone chain scores four side by side
   int64_t j = from;
+  // the keys are one stream, fetched as far ahead as a product's panels (on Intel processors;
+  // the hardware alone fell behind there: benchmarks/attention.py --patch
+  // benchmarks/variants/attention_as_before.patch)
+  const int64_t ahead = pair_prefetch();
   for (; j + U <= to + 1; j += U) {
+    if (ahead) prefetch_row(keys + j * d, U * d * static_cast<int64_t>(sizeof(T)), ahead);
     vfloat dot[C * U];
     for (int x = 0; x < C * U; ++x) dot[x] = vzero();
     for (int64_t e = 0, block = 0; e < d; e += kLanes, ++block)
@@ -1572,37 +1584,43 @@ void score_together(const float* q, const T* keys, int64_t d, int64_t from, int6
 }
 
 // acc[c * d + e] += sum over t in [from, to] of scores[c * stride + t] * value_t[e], for C
-// chains (acc holds each chain's sums over the positions before `from`)
+// chains (acc holds each chain's sums over the positions before `from`). Registers hold
+// C * B blocks of sums, often less than a whole value row, so the positions go by in tiles of
+// about 16 KB of values: each tile's rows are fetched from memory once, in order, by its first
+// blocks (the later blocks find them in L1), rather than each block reading every row again
+// from memory. Each sum still adds its positions in order, so tiling does not change a bit.
+template <class T, int C, int B>
+void weigh_blocks(const T* values, int64_t d, int64_t e, int64_t t0, int64_t t1, const float* scores, int64_t stride,
+                  float* acc, int64_t ahead) {
+  vfloat sum[C * B];
+  for (int c = 0; c < C; ++c)
+    for (int b = 0; b < B; ++b) sum[c * B + b] = vload(acc + c * d + e + b * kLanes);
+  for (int64_t t = t0; t <= t1; ++t) {
+    if (ahead) prefetch_row(values + t * d, d * static_cast<int64_t>(sizeof(T)), ahead);
+    vfloat value[B];
+    for (int b = 0; b < B; ++b) value[b] = load_cache(values + t * d + e + b * kLanes);
+    for (int c = 0; c < C; ++c) {
+      const vfloat weight = vset1(scores[c * stride + t]);
+      for (int b = 0; b < B; ++b) sum[c * B + b] = vfma(weight, value[b], sum[c * B + b]);
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int b = 0; b < B; ++b) vstore(acc + c * d + e + b * kLanes, sum[c * B + b]);
+}
+
 template <class T, int C>
 void weigh_together(const T* values, int64_t d, int64_t from, int64_t to, const float* scores, int64_t stride,
                     float* acc) {
   constexpr int B = std::max(1, std::min(4, 24 / C));  // blocks at a time: C * B sums in registers
-  int64_t e = 0;
-  for (; e + B * kLanes <= d; e += B * kLanes) {
-    vfloat sum[C * B];
-    for (int c = 0; c < C; ++c)
-      for (int b = 0; b < B; ++b) sum[c * B + b] = vload(acc + c * d + e + b * kLanes);
-    for (int64_t t = from; t <= to; ++t) {
-      vfloat value[B];
-      for (int b = 0; b < B; ++b) value[b] = load_cache(values + t * d + e + b * kLanes);
-      for (int c = 0; c < C; ++c) {
-        const vfloat weight = vset1(scores[c * stride + t]);
-        for (int b = 0; b < B; ++b) sum[c * B + b] = vfma(weight, value[b], sum[c * B + b]);
-      }
-    }
-    for (int c = 0; c < C; ++c)
-      for (int b = 0; b < B; ++b) vstore(acc + c * d + e + b * kLanes, sum[c * B + b]);
-  }
-  if (e < d) {  // the blocks left over, one at a time
-    for (; e < d; e += kLanes) {
-      vfloat sum[C];
-      for (int c = 0; c < C; ++c) sum[c] = vload(acc + c * d + e);
-      for (int64_t t = from; t <= to; ++t) {
-        const vfloat value = load_cache(values + t * d + e);
-        for (int c = 0; c < C; ++c) sum[c] = vfma(vset1(scores[c * stride + t]), value, sum[c]);
-      }
-      for (int c = 0; c < C; ++c) vstore(acc + c * d + e, sum[c]);
-    }
+  const int64_t tile = std::max<int64_t>(1, (16 << 10) / (d * static_cast<int64_t>(sizeof(T))));
+  const int64_t ahead = pair_prefetch();
+  for (int64_t t0 = from; t0 <= to; t0 += tile) {
+    const int64_t t1 = std::min(to, t0 + tile - 1);
+    int64_t e = 0;
+    for (; e + B * kLanes <= d; e += B * kLanes)  // the first blocks fetch the tile's rows
+      weigh_blocks<T, C, B>(values, d, e, t0, t1, scores, stride, acc, e == 0 ? ahead : 0);
+    for (; e < d; e += kLanes)  // the blocks left over, one at a time
+      weigh_blocks<T, C, 1>(values, d, e, t0, t1, scores, stride, acc, e == 0 ? ahead : 0);
   }
 }
 
@@ -1627,16 +1645,20 @@ void attend_chains(const float* q, int64_t rows, int64_t heads, const T* keys, c
       float* row = scores + c * stride;
       score_together<T, 1>(alone.data(), keys, d, pos0 + 1, pos0 + r, scale, row, stride, best + c);
     }
-  float total[C];
   for (int c = 0; c < C; ++c) {
-    const int64_t pos = pos0 + c / heads;
     float* row = scores + c * stride;
-    // exp is elementwise, so whole vectors may run past pos into the padding
+    // exp is elementwise, so whole vectors may run past the chain's position into the padding
     const vfloat vbest = vset1(best[c]);
-    for (int64_t j = first; j <= pos; j += kLanes) vstore(row + j, vexp(vsub(vload(row + j), vbest)));
-    total[c] = 0.0f;
-    for (int64_t t = first; t <= pos; ++t) total[c] += row[t];
+    for (int64_t j = first; j <= pos0 + c / heads; j += kLanes) vstore(row + j, vexp(vsub(vload(row + j), vbest)));
   }
+  // each chain's total adds its positions in order, the chains side by side (one chain's
+  // additions alone would each wait for the one before)
+  float total[C];
+  for (int c = 0; c < C; ++c) total[c] = 0.0f;
+  for (int64_t t = first; t <= pos0; ++t)
+    for (int c = 0; c < C; ++c) total[c] += scores[c * stride + t];
+  for (int c = 0; c < C; ++c)
+    for (int64_t t = pos0 + 1; t <= pos0 + c / heads; ++t) total[c] += scores[c * stride + t];
   std::fill(acc, acc + C * d, 0.0f);
   weigh_together<T, C>(values, d, first, pos0, scores, stride, acc);
   for (int64_t r = 1; r < rows; ++r)
