@@ -1586,17 +1586,22 @@ void score_together(const float* q, const T* keys, int64_t d, int64_t from, int6
 // acc[c * d + e] += sum over t in [from, to] of scores[c * stride + t] * value_t[e], for C
 // chains (acc holds each chain's sums over the positions before `from`). Registers hold
 // C * B blocks of sums, often less than a whole value row, so the positions go by in tiles of
-// about 16 KB of values: each tile's rows are fetched from memory once, in order, by its first
-// blocks (the later blocks find them in L1), rather than each block reading every row again
-// from memory. Each sum still adds its positions in order, so tiling does not change a bit.
+// about 16 KB of values, each tile's rows read once from memory and then from the cache by
+// each group of blocks in turn, rather than every group streaming every row from memory.
+// Where streams are fetched in software (pair_prefetch() > 0, Intel processors), each group
+// fetches its share of the next tile's rows, so that the memory is busy through all of a
+// tile's arithmetic, not only the first group's (benchmarks/NOTES.md, "The Xeon a third
+// time", compares this with the first group fetching the tile's rows a few ahead). Each sum
+// still adds its positions in order, so tiling does not change a bit.
 template <class T, int C, int B>
 void weigh_blocks(const T* values, int64_t d, int64_t e, int64_t t0, int64_t t1, const float* scores, int64_t stride,
-                  float* acc, int64_t ahead) {
+                  float* acc, const char* fetch, int64_t fetch_bytes) {
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
   vfloat sum[C * B];
   for (int c = 0; c < C; ++c)
     for (int b = 0; b < B; ++b) sum[c * B + b] = vload(acc + c * d + e + b * kLanes);
   for (int64_t t = t0; t <= t1; ++t) {
-    if (ahead) prefetch_row(values + t * d, d * static_cast<int64_t>(sizeof(T)), ahead);
+    if (fetch) prefetch_row(fetch + (t - t0) * row_bytes, fetch_bytes, 0);
     vfloat value[B];
     for (int b = 0; b < B; ++b) value[b] = load_cache(values + t * d + e + b * kLanes);
     for (int c = 0; c < C; ++c) {
@@ -1612,15 +1617,21 @@ template <class T, int C>
 void weigh_together(const T* values, int64_t d, int64_t from, int64_t to, const float* scores, int64_t stride,
                     float* acc) {
   constexpr int B = std::max(1, std::min(4, 24 / C));  // blocks at a time: C * B sums in registers
-  const int64_t tile = std::max<int64_t>(1, (16 << 10) / (d * static_cast<int64_t>(sizeof(T))));
-  const int64_t ahead = pair_prefetch();
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T)), tile = std::max<int64_t>(1, (16 << 10) / row_bytes);
+  const int64_t groups = d / (B * kLanes) + d % (B * kLanes) / kLanes;  // the blocks left over go one at a time
+  const int64_t share = (row_bytes / 64 + groups - 1) / groups * 64;    // of each row, fetched per group
+  const bool fetch = pair_prefetch() > 0;
+  if (fetch) prefetch_row(values + from * d, std::min(tile, to - from + 1) * row_bytes, 0);
   for (int64_t t0 = from; t0 <= to; t0 += tile) {
     const int64_t t1 = std::min(to, t0 + tile - 1);
-    int64_t e = 0;
-    for (; e + B * kLanes <= d; e += B * kLanes)  // the first blocks fetch the tile's rows
-      weigh_blocks<T, C, B>(values, d, e, t0, t1, scores, stride, acc, e == 0 ? ahead : 0);
-    for (; e < d; e += kLanes)  // the blocks left over, one at a time
-      weigh_blocks<T, C, 1>(values, d, e, t0, t1, scores, stride, acc, e == 0 ? ahead : 0);
+    const char* next = reinterpret_cast<const char*>(values + (t0 + tile) * d);
+    int64_t e = 0, group = 0;
+    auto fetch_from = [&] { return fetch && t1 < to && group * share < row_bytes ? next + group * share : nullptr; };
+    auto fetch_bytes = [&] { return std::min(share, row_bytes - group * share); };
+    for (; e + B * kLanes <= d; e += B * kLanes, ++group)
+      weigh_blocks<T, C, B>(values, d, e, t0, t1, scores, stride, acc, fetch_from(), fetch_bytes());
+    for (; e < d; e += kLanes, ++group)
+      weigh_blocks<T, C, 1>(values, d, e, t0, t1, scores, stride, acc, fetch_from(), fetch_bytes());
   }
 }
 
