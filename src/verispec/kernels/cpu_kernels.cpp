@@ -180,7 +180,8 @@ void set_stream_prefetch(int64_t bytes) {
 // took the 1.5B's one-row steps from 37.1 to 33.5 ms in int4 and from 122 to 99 ms in
 // bfloat16, near the best distance in every format; on an AMD EPYC (Zen 4), fetching two
 // streams in software read less than the hardware alone (benchmarks/pair_prefetch.py
-// compares distances). Attention fetches its cached keys and values as far ahead.
+// compares distances). Where it is not 0, attention fetches its cached keys as far ahead,
+// and its values a tile ahead.
 int64_t default_pair_prefetch() {
   __builtin_cpu_init();  // this runs among the static initialisers
   return __builtin_cpu_is("intel") ? 1536 : 0;
