@@ -204,11 +204,10 @@ inline void prefetch_lines(const uint8_t* from, const uint8_t* to, const uint8_t
     _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 }
 
-// Fetches the `bytes` (a whole number of lines) from p + ahead on: a cache row `ahead` bytes
-// ahead of the one at p, in a stream of rows.
-inline void prefetch_row(const void* p, int64_t bytes, int64_t ahead) {
-  for (int64_t line = 0; line < bytes; line += 64)
-    _mm_prefetch(static_cast<const char*>(p) + ahead + line, _MM_HINT_T0);
+// fetch_ahead for `bytes` of rows of any type (a cache's keys or values), in whole lines
+template <class T>
+inline void fetch_rows(const T* p, int64_t bytes, int64_t ahead) {
+  fetch_ahead(reinterpret_cast<const uint8_t*>(p), ahead, static_cast<int>((bytes + 63) / 64));
 }
 
 constexpr int kPanel = 16;  // output columns per panel, in every panel layout
@@ -1559,7 +1558,7 @@ void score_together(const float* q, const T* keys, int64_t d, int64_t from, int6
   // benchmarks/variants/attention_as_before.patch)
   const int64_t ahead = pair_prefetch();
   for (; j + U <= to + 1; j += U) {
-    if (ahead) prefetch_row(keys + j * d, U * d * static_cast<int64_t>(sizeof(T)), ahead);
+    if (ahead) fetch_rows(keys + j * d, U * d * static_cast<int64_t>(sizeof(T)), ahead);
     vfloat dot[C * U];
     for (int x = 0; x < C * U; ++x) dot[x] = vzero();
     for (int64_t e = 0, block = 0; e < d; e += kLanes, ++block)
@@ -1602,7 +1601,7 @@ void weigh_blocks(const T* values, int64_t d, int64_t e, int64_t t0, int64_t t1,
   for (int c = 0; c < C; ++c)
     for (int b = 0; b < B; ++b) sum[c * B + b] = vload(acc + c * d + e + b * kLanes);
   for (int64_t t = t0; t <= t1; ++t) {
-    if (fetch) prefetch_row(fetch + (t - t0) * row_bytes, fetch_bytes, 0);
+    if (fetch) fetch_rows(fetch + (t - t0) * row_bytes, fetch_bytes, 0);
     vfloat value[B];
     for (int b = 0; b < B; ++b) value[b] = load_cache(values + t * d + e + b * kLanes);
     for (int c = 0; c < C; ++c) {
@@ -1622,7 +1621,7 @@ void weigh_together(const T* values, int64_t d, int64_t from, int64_t to, const 
   const int64_t groups = d / (B * kLanes) + d % (B * kLanes) / kLanes;  // the blocks left over go one at a time
   const int64_t share = (row_bytes / 64 + groups - 1) / groups * 64;    // of each row, fetched per group
   const bool fetch = pair_prefetch() > 0;
-  if (fetch) prefetch_row(values + from * d, std::min(tile, to - from + 1) * row_bytes, 0);
+  if (fetch) fetch_rows(values + from * d, std::min(tile, to - from + 1) * row_bytes, 0);
   for (int64_t t0 = from; t0 <= to; t0 += tile) {
     const int64_t t1 = std::min(to, t0 + tile - 1);
     const char* next = reinterpret_cast<const char*>(values + (t0 + tile) * d);
