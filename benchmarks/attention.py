@@ -36,7 +36,7 @@ from pathlib import Path
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
 
-from perf_common import machine_load, median, read_bandwidth, save, warn_if_busy
+from perf_common import machine_load, median, read_bandwidth, rotated, save, warn_if_busy
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 12, 2, 128, 28
 INT8_STEP_BYTES = 1.547e9  # the 1.5B in int8 (decode_bandwidth.py prints the same)
@@ -84,9 +84,8 @@ def compare_ways(ways: dict, context: int, m: int, calls: int, rounds: int) -> d
     taking turns round by round over the same caches."""
     inputs = Inputs(context, m)
     times: dict[str, list[float]] = {name: [] for name in ways}
-    names = list(ways)
     for round_index in range(rounds + 1):
-        for name in names[round_index % len(names):] + names[:round_index % len(names)]:
+        for name in rotated(list(ways), round_index):
             seconds = inputs.seconds_per_call(ways[name], calls)
             if round_index:  # the first round warms up
                 times[name].append(seconds)
@@ -95,15 +94,10 @@ def compare_ways(ways: dict, context: int, m: int, calls: int, rounds: int) -> d
 
 def main_compare(args, current) -> int:
     """--patch / --variant: each changed kernel source against the current one, size by size."""
-    import tempfile
+    from stack_ab import ChangedKernels
 
-    from stack_ab import build_variant, patched
-
-    scratch = tempfile.TemporaryDirectory()
-    sources = args.variant + [patched(patch, Path(scratch.name)) for patch in args.patch]
-    ways = {"current": current}
-    for source in sources:
-        ways[source.name] = build_variant(source)[0]
+    changed = ChangedKernels(args.variant, args.patch)
+    ways = {"current": current, **changed.modules}
     print(f"attention, 1.5B shapes, {len(ways) - 1} changed kernel(s) against the current: "
           f"{torch.get_num_threads()} threads, {machine_load()}")
     warn_if_busy()
@@ -123,7 +117,7 @@ def main_compare(args, current) -> int:
             cells = [f"{name} {s * 1e6:.1f} µs" + ("" if name == "current" else f" ({seconds['current'] / s:.2f}x)")
                      for name, s in seconds.items()]
             print(f"  m = {m}, context {context:>5}: " + ", ".join(cells))
-    save(args.save_as, {"ways": list(ways), "rows": rows})
+    save(args.save_as, {"ways": list(ways), "variants": changed.recorded, "rows": rows})
     return 0
 
 

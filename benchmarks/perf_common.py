@@ -112,6 +112,12 @@ def verdict(name: str, figure: str, met: bool | None) -> str:
     return f"[{mark:>7}] {name}: {figure}"
 
 
+def rotated(names: list, index: int) -> list:
+    """`names` in round `index`'s turn: the order rotates round by round, so that no way
+    always runs first or after the same one."""
+    return names[index % len(names):] + names[:index % len(names)]
+
+
 def take_turns(timers: dict, rounds: int, nbytes: int) -> list[dict]:
     """`rounds` rounds in which every timer (name -> seconds of one timing) runs once, the
     order rotating round by round, each round between two read-bandwidth measurements:
@@ -119,8 +125,7 @@ def take_turns(timers: dict, rounds: int, nbytes: int) -> list[dict]:
     names, records = list(timers), []
     before = read_bandwidth(keep=True)
     for index in range(rounds):
-        order = names[index % len(names):] + names[:index % len(names)]
-        seconds = {name: timers[name]() for name in order}
+        seconds = {name: timers[name]() for name in rotated(names, index)}
         after = read_bandwidth(keep=True)
         level = max(before, after)
         records.append({"bandwidth_before": before, "bandwidth_after": after, "seconds": seconds,

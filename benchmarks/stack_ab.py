@@ -66,6 +66,19 @@ def patched(patch: Path, into: Path) -> Path:
     return target.rename(target.with_name(f"{patch.stem}.cpp"))
 
 
+class ChangedKernels:
+    """The changed kernel sources (whole files, then the current one with each patch applied),
+    built, by name: `modules` (name -> module) and `recorded` (name -> file given and digest)."""
+
+    def __init__(self, variants: list[Path], patches: list[Path]):
+        self._scratch = tempfile.TemporaryDirectory()
+        sources = variants + [patched(patch, Path(self._scratch.name)) for patch in patches]
+        self.modules, self.recorded = {}, {}
+        for source, origin in zip(sources, variants + patches):
+            self.modules[source.name], digest = build_variant(source)
+            self.recorded[source.name] = {"file": str(origin), "sha1": digest}
+
+
 class Way:
     """One kernel module's lean forward (`fast.FastPath`) over the model's tensors."""
 
@@ -115,12 +128,8 @@ def main() -> int:
         return 1
     from verispec.loading import load_model
 
-    modules = {"current": current}
-    digests = {}
-    scratch = tempfile.TemporaryDirectory()
-    sources = args.variant + [patched(patch, Path(scratch.name)) for patch in args.patch]
-    for source in sources:
-        modules[source.name], digests[source.name] = build_variant(source)
+    changed = ChangedKernels(args.variant, args.patch)
+    modules = {"current": current, **changed.modules}
     loaded = load_model(args.model, "bfloat16" if args.weights == "bfloat16" else "float32", weights=args.weights)
     model = loaded.model
     ids = loaded.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
@@ -154,8 +163,7 @@ def main() -> int:
             print(f"  {name:>24}: {result['utilisation'][name]:.1%} of the read bandwidth{ratio}")
     save(args.save_as, {"model": args.model, "weights": args.weights, "weight_bytes": nbytes, "context": len(ids),
                         "positions": args.positions,
-                        "variants": {name: {"file": str(origin), "sha1": digests[source.name]}
-                                     for name, source, origin in zip(names[1:], sources, args.variant + args.patch)},
+                        "variants": changed.recorded,
                         "spells": summary, "rounds": records})
     return 0
 
