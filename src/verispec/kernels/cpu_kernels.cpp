@@ -404,6 +404,23 @@ inline float vsum(vfloat v) {
   q = _mm_add_ss(q, _mm_movehdup_ps(q));
   return _mm_cvtss_f32(q);
 }
+// lane i: vsum(v[i]) for 16 vectors at once, each sum taken in vsum's pairs (so the same
+// bits) in 46 operations instead of 16 x 8: each step adds the halves of two vectors at once
+inline vfloat vsum_lanes(const vfloat* v) {
+  vfloat h[8], q[4], r[2];
+  for (int k = 0; k < 8; ++k)  // x_i + x_{i+8}
+    h[k] = vadd(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44), _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+  for (int k = 0; k < 4; ++k)  // + x_{i+4}: lanes 4t..4t+3 of q[k] belong to vector 4k + t
+    q[k] = vadd(_mm512_shuffle_f32x4(h[2 * k], h[2 * k + 1], 0x88), _mm512_shuffle_f32x4(h[2 * k], h[2 * k + 1], 0xDD));
+  for (int k = 0; k < 2; ++k)  // + x_{i+2}
+    r[k] = vadd(_mm512_shuffle_ps(q[2 * k], q[2 * k + 1], 0x44), _mm512_shuffle_ps(q[2 * k], q[2 * k + 1], 0xEE));
+  const vfloat s = vadd(_mm512_shuffle_ps(r[0], r[1], 0x88), _mm512_shuffle_ps(r[0], r[1], 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);  // lane 4t + u held vector 4u + t
+}
+// dst[i] = v[first + i] for i in [0, count)
+inline void store_lanes(float* dst, vfloat v, int first, int count) {
+  _mm512_mask_storeu_ps(dst - first, static_cast<__mmask16>(((1u << count) - 1) << first), v);
+}
 inline float vmaxall(vfloat v) { return _mm512_reduce_max_ps(v); }
 inline vfloat load_bf16(const uint16_t* p) {
   __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -448,6 +465,23 @@ inline float vsum(vfloat v) {
   q = _mm_add_ps(q, _mm_movehl_ps(q, q));
   q = _mm_add_ss(q, _mm_movehdup_ps(q));
   return _mm_cvtss_f32(q);
+}
+// lane i: vsum(v[i]) for 8 vectors at once, each sum taken in vsum's pairs (so the same bits)
+inline vfloat vsum_lanes(const vfloat* v) {
+  vfloat q[4], r[2];
+  for (int k = 0; k < 4; ++k)  // x_i + x_{i+4}: lanes 4t..4t+3 of q[k] belong to vector 2k + t
+    q[k] = vadd(_mm256_permute2f128_ps(v[2 * k], v[2 * k + 1], 0x20), _mm256_permute2f128_ps(v[2 * k], v[2 * k + 1], 0x31));
+  for (int k = 0; k < 2; ++k)  // + x_{i+2}
+    r[k] = vadd(_mm256_shuffle_ps(q[2 * k], q[2 * k + 1], 0x44), _mm256_shuffle_ps(q[2 * k], q[2 * k + 1], 0xEE));
+  const vfloat s = vadd(_mm256_shuffle_ps(r[0], r[1], 0x88), _mm256_shuffle_ps(r[0], r[1], 0xDD));
+  return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  // lane 4t + u held vector 2u + t
+}
+// dst[i] = v[first + i] for i in [0, count)
+inline void store_lanes(float* dst, vfloat v, int first, int count) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i keep = _mm256_and_si256(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32(first - 1)),
+                                        _mm256_cmpgt_epi32(_mm256_set1_epi32(first + count), lane));
+  _mm256_maskstore_ps(dst - first, keep, v);
 }
 inline float vmaxall(vfloat v) {
   __m128 q = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -1546,34 +1580,65 @@ inline void rope(float* v, const float* cos, const float* sin, int64_t rot) {
 // of its output is one chain of FMAs over the positions, in order.
 constexpr int kMaxChains = 12;
 
+// The dot products of CT chains (from chain c0 of C) with KT = kLanes / CT consecutive keys:
+// lane c * KT + u holds chain c0 + c's with key u, unscaled. Each is one chain of FMAs over the
+// features, summed as vsum sums it (vsum_lanes reduces the tile's kLanes sums together).
+template <class T, int CT>
+inline vfloat score_tile(const float* q, int C, int c0, const T* keys, int64_t d) {
+  constexpr int KT = kLanes / CT;
+  vfloat dot[kLanes];
+  for (int x = 0; x < kLanes; ++x) dot[x] = vzero();
+  for (int64_t e = 0, block = 0; e < d; e += kLanes, ++block) {
+    vfloat query[CT];
+    for (int c = 0; c < CT; ++c) query[c] = vload(q + (block * C + c0 + c) * kLanes);
+    for (int u = 0; u < KT; ++u) {
+      const vfloat key = load_cache(keys + u * d + e);
+      for (int c = 0; c < CT; ++c) dot[c * KT + u] = vfma(query[c], key, dot[c * KT + u]);
+    }
+  }
+  return vsum_lanes(dot);
+}
+
 // Chains' queries, interleaved per block of 16 features: q[(e / kLanes) * C * kLanes + c * kLanes + lane].
 // scores[c * stride + j] = (q_c . key_j) * scale for j in [from, to]; best[c]: the largest so far.
+// Keys go by kLanes at a time, scored in tiles of 4, 2 or 1 chains by as many keys as make
+// kLanes sums, which are reduced together: a horizontal sum per key and chain took more
+// operations than its FMAs.
 template <class T, int C>
 void score_together(const float* q, const T* keys, int64_t d, int64_t from, int64_t to, float scale,
                     float* scores, int64_t stride, float* best) {
-  constexpr int U = C == 1 ? 4 : 1;  // keys at a time: a lone chain scores four side by side
-  int64_t j = from;
   // the keys are one stream, fetched as far ahead as a product's panels (on Intel processors;
   // the hardware alone fell behind there: benchmarks/attention.py --patch
   // benchmarks/variants/attention_as_before.patch)
   const int64_t ahead = pair_prefetch();
-  for (; j + U <= to + 1; j += U) {
-    if (ahead) fetch_rows(keys + j * d, U * d * static_cast<int64_t>(sizeof(T)), ahead);
-    vfloat dot[C * U];
-    for (int x = 0; x < C * U; ++x) dot[x] = vzero();
-    for (int64_t e = 0, block = 0; e < d; e += kLanes, ++block)
-      for (int u = 0; u < U; ++u) {
-        const vfloat key = load_cache(keys + (j + u) * d + e);
-        const float* qb = q + block * C * kLanes;
-        for (int c = 0; c < C; ++c) dot[c * U + u] = vfma(vload(qb + c * kLanes), key, dot[c * U + u]);
+  vfloat high[C];  // per group of chains: the largest scores, lane by lane as in its tiles
+  for (int g = 0; g < C; ++g) high[g] = vset1(-INFINITY);
+  // fn(CT, c0, g) for each group g of CT chains from c0: fours, then a two and a one
+  auto each_group = [&](const auto& fn) {
+    int c0 = 0, g = 0;
+    for (; c0 + 4 <= C; c0 += 4) fn(std::integral_constant<int, 4>{}, c0, g++);
+    if (c0 + 2 <= C) fn(std::integral_constant<int, 2>{}, c0, g++), c0 += 2;
+    if (c0 < C) fn(std::integral_constant<int, 1>{}, c0, g++);
+  };
+  int64_t j = from;
+  for (; j + kLanes <= to + 1; j += kLanes) {
+    if (ahead) fetch_rows(keys + j * d, kLanes * d * static_cast<int64_t>(sizeof(T)), ahead);
+    each_group([&](auto ct, int c0, int g) {
+      constexpr int CT = decltype(ct)::value, KT = kLanes / CT;
+      for (int u0 = 0; u0 < kLanes; u0 += KT) {
+        const vfloat tile = vmul(score_tile<T, CT>(q, C, c0, keys + (j + u0) * d, d), vset1(scale));
+        high[g] = vmax(high[g], tile);
+        for (int c = 0; c < CT; ++c) store_lanes(scores + (c0 + c) * stride + j + u0, tile, c * KT, KT);
       }
-    for (int c = 0; c < C; ++c)
-      for (int u = 0; u < U; ++u) {
-        scores[c * stride + j + u] = vsum(dot[c * U + u]) * scale;
-        best[c] = std::max(best[c], scores[c * stride + j + u]);
-      }
+    });
   }
-  for (; j <= to; ++j)  // a lone chain's last keys, one at a time
+  each_group([&](auto ct, int c0, int g) {
+    constexpr int KT = kLanes / decltype(ct)::value;
+    alignas(64) float lanes[kLanes];
+    vstore(lanes, high[g]);
+    for (int x = 0; x < kLanes; ++x) best[c0 + x / KT] = std::max(best[c0 + x / KT], lanes[x]);
+  });
+  for (; j <= to; ++j)  // the last keys, one at a time
     for (int c = 0; c < C; ++c) {
       vfloat dot = vzero();
       for (int64_t e = 0, block = 0; e < d; e += kLanes, ++block)
