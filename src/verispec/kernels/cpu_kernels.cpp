@@ -1577,18 +1577,24 @@ inline void rope(float* v, const float* cos, const float* sin, int64_t rot) {
 // per head and position (it outgrows the core's cache at long contexts). Every chain's
 // arithmetic is the same sequence of operations as when it runs alone: its scores are each
 // one chain of FMAs over the features and one horizontal sum, and each block of 16 features
-// of its output is one chain of FMAs over the positions, in order.
-constexpr int kMaxChains = 12;
+// of its output is one chain of FMAs over the positions, in order. A task takes up to
+// kMaxChains chains; registers hold the sums of up to kChainsInRegisters at a time.
+constexpr int kMaxChains = 64, kChainsInRegisters = 12;
 
 // The dot products of CT chains (from chain c0 of C) with KT = kLanes / CT consecutive keys:
 // lane c * KT + u holds chain c0 + c's with key u, unscaled. Each is one chain of FMAs over the
 // features, summed as vsum sums it (vsum_lanes reduces the tile's kLanes sums together).
+// Meanwhile it fetches `lines` cache lines from `fetch` on, a few per block of features (a
+// burst of fetches stalls once the core's line fill buffers are taken).
 template <class T, int CT>
-inline vfloat score_tile(const float* q, int C, int c0, const T* keys, int64_t d) {
+inline vfloat score_tile(const float* q, int C, int c0, const T* keys, int64_t d, const char* fetch, int64_t lines) {
   constexpr int KT = kLanes / CT;
+  const int64_t per_block = (lines * kLanes + d - 1) / d;
   vfloat dot[kLanes];
   for (int x = 0; x < kLanes; ++x) dot[x] = vzero();
   for (int64_t e = 0, block = 0; e < d; e += kLanes, ++block) {
+    for (int64_t line = block * per_block; line < std::min(lines, (block + 1) * per_block); ++line)
+      _mm_prefetch(fetch + 64 * line, _MM_HINT_T0);
     vfloat query[CT];
     for (int c = 0; c < CT; ++c) query[c] = vload(q + (block * C + c0 + c) * kLanes);
     for (int u = 0; u < KT; ++u) {
@@ -1604,14 +1610,16 @@ inline vfloat score_tile(const float* q, int C, int c0, const T* keys, int64_t d
 // Keys go by kLanes at a time, scored in tiles of 4, 2 or 1 chains by as many keys as make
 // kLanes sums, which are reduced together: a horizontal sum per key and chain took more
 // operations than its FMAs.
-template <class T, int C>
-void score_together(const float* q, const T* keys, int64_t d, int64_t from, int64_t to, float scale,
+template <class T>
+void score_together(const float* q, int C, const T* keys, int64_t d, int64_t from, int64_t to, float scale,
                     float* scores, int64_t stride, float* best) {
-  // the keys are one stream, fetched as far ahead as a product's panels (on Intel processors;
-  // the hardware alone fell behind there: benchmarks/attention.py --patch
-  // benchmarks/variants/attention_as_before.patch)
-  const int64_t ahead = pair_prefetch();
-  vfloat high[C];  // per group of chains: the largest scores, lane by lane as in its tiles
+  // Where streams are fetched in software (Intel processors; the hardware alone fell behind
+  // there: benchmarks/attention.py --patch benchmarks/variants/attention_as_before.patch),
+  // the tiles of each kLanes keys share out the fetching of the next kLanes keys.
+  const bool fetch = pair_prefetch() > 0;
+  const int64_t block_lines = kLanes * d * static_cast<int64_t>(sizeof(T)) / 64;
+  const int64_t share = (block_lines + C - 1) / C;  // of the next lines, per tile (C tiles per kLanes keys)
+  vfloat high[kMaxChains];  // per group of chains: the largest scores, lane by lane as in its tiles
   for (int g = 0; g < C; ++g) high[g] = vset1(-INFINITY);
   // fn(CT, c0, g) for each group g of CT chains from c0: fours, then a two and a one
   auto each_group = [&](const auto& fn) {
@@ -1622,11 +1630,15 @@ void score_together(const float* q, const T* keys, int64_t d, int64_t from, int6
   };
   int64_t j = from;
   for (; j + kLanes <= to + 1; j += kLanes) {
-    if (ahead) fetch_rows(keys + j * d, kLanes * d * static_cast<int64_t>(sizeof(T)), ahead);
+    const char* next = reinterpret_cast<const char*>(keys + (j + kLanes) * d);
+    const bool fetch_next = fetch && j + kLanes <= to;
+    int64_t pass = 0;
     each_group([&](auto ct, int c0, int g) {
       constexpr int CT = decltype(ct)::value, KT = kLanes / CT;
-      for (int u0 = 0; u0 < kLanes; u0 += KT) {
-        const vfloat tile = vmul(score_tile<T, CT>(q, C, c0, keys + (j + u0) * d, d), vset1(scale));
+      for (int u0 = 0; u0 < kLanes; u0 += KT, ++pass) {
+        const int64_t lines = fetch_next ? std::max<int64_t>(0, std::min(share, block_lines - pass * share)) : 0;
+        const vfloat tile = vmul(score_tile<T, CT>(q, C, c0, keys + (j + u0) * d, d, next + 64 * pass * share, lines),
+                                 vset1(scale));
         high[g] = vmax(high[g], tile);
         for (int c = 0; c < CT; ++c) store_lanes(scores + (c0 + c) * stride + j + u0, tile, c * KT, KT);
       }
@@ -1678,26 +1690,43 @@ void weigh_blocks(const T* values, int64_t d, int64_t e, int64_t t0, int64_t t1,
     for (int b = 0; b < B; ++b) vstore(acc + c * d + e + b * kLanes, sum[c * B + b]);
 }
 
-template <class T, int C>
+// acc += the weighted values for C chains, in tiles of about 16 KB of values; within a tile,
+// the chains go in groups of up to kChainsInRegisters and each group's blocks B at a time,
+// each (group, blocks) pass reading the tile's rows from the cache after the first.
+template <class T>
 void weigh_together(const T* values, int64_t d, int64_t from, int64_t to, const float* scores, int64_t stride,
-                    float* acc) {
-  constexpr int B = std::max(1, std::min(4, 24 / C));  // blocks at a time: C * B sums in registers
+                    int C, float* acc) {
   const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T)), tile = std::max<int64_t>(1, (16 << 10) / row_bytes);
-  const int64_t groups = d / (B * kLanes) + d % (B * kLanes) / kLanes;  // the blocks left over go one at a time
-  const int64_t share = (row_bytes / 64 + groups - 1) / groups * 64;    // of each row, fetched per group
-  const bool fetch = pair_prefetch() > 0;
-  if (fetch) fetch_rows(values + from * d, std::min(tile, to - from + 1) * row_bytes, 0);
-  for (int64_t t0 = from; t0 <= to; t0 += tile) {
-    const int64_t t1 = std::min(to, t0 + tile - 1);
-    const char* next = reinterpret_cast<const char*>(values + (t0 + tile) * d);
-    int64_t e = 0, group = 0;
-    auto fetch_from = [&] { return fetch && t1 < to && group * share < row_bytes ? next + group * share : nullptr; };
-    auto fetch_bytes = [&] { return std::min(share, row_bytes - group * share); };
-    for (; e + B * kLanes <= d; e += B * kLanes, ++group)
-      weigh_blocks<T, C, B>(values, d, e, t0, t1, scores, stride, acc, fetch_from(), fetch_bytes());
-    for (; e < d; e += kLanes, ++group)
-      weigh_blocks<T, C, 1>(values, d, e, t0, t1, scores, stride, acc, fetch_from(), fetch_bytes());
-  }
+  const int groups = (C + kChainsInRegisters - 1) / kChainsInRegisters, size = (C + groups - 1) / groups;
+  with_rows<kChainsInRegisters>(size, [&](auto chains) {
+    constexpr int CG = decltype(chains)::value, B = std::max(1, std::min(4, 24 / CG));  // CG * B sums in registers
+    const int64_t blocks = d / (B * kLanes) + d % (B * kLanes) / kLanes;  // the blocks left over go one at a time
+    const int64_t passes = groups * blocks;
+    const int64_t share = (row_bytes / 64 + passes - 1) / passes * 64;  // of each row, fetched per pass
+    const bool fetch = pair_prefetch() > 0;
+    if (fetch) fetch_rows(values + from * d, std::min(tile, to - from + 1) * row_bytes, 0);
+    for (int64_t t0 = from; t0 <= to; t0 += tile) {
+      const int64_t t1 = std::min(to, t0 + tile - 1);
+      const char* next = reinterpret_cast<const char*>(values + (t0 + tile) * d);
+      int64_t pass = 0;
+      auto fetch_from = [&] { return fetch && t1 < to && pass * share < row_bytes ? next + pass * share : nullptr; };
+      auto fetch_bytes = [&] { return std::min(share, row_bytes - pass * share); };
+      for (int c0 = 0; c0 < C; c0 += CG) {  // the last group may be smaller
+        const float* group_scores = scores + c0 * stride;
+        float* group_acc = acc + c0 * d;
+        auto weigh = [&](auto count) {
+          constexpr int N = decltype(count)::value;
+          int64_t e = 0;
+          for (; e + B * kLanes <= d; e += B * kLanes, ++pass)
+            weigh_blocks<T, N, B>(values, d, e, t0, t1, group_scores, stride, group_acc, fetch_from(), fetch_bytes());
+          for (; e < d; e += kLanes, ++pass)
+            weigh_blocks<T, N, 1>(values, d, e, t0, t1, group_scores, stride, group_acc, fetch_from(), fetch_bytes());
+        };
+        if (C - c0 >= CG) weigh(chains);
+        else with_rows<CG>(C - c0, weigh);
+      }
+    }
+  });
 }
 
 // Attention for the chains of `rows` consecutive new positions (the first at `pos0`) x
@@ -1705,21 +1734,22 @@ void weigh_together(const T* values, int64_t d, int64_t from, int64_t to, const 
 // position 0, so they share positions [0, pos0]; the one to rows - 1 positions after it,
 // which only later rows see, each row reads alone, after the shared ones (the order of its
 // sums is unchanged). With a window, rows go one at a time.
-template <class T, int C>
+template <class T>
 void attend_chains(const float* q, int64_t rows, int64_t heads, const T* keys, const T* values, int64_t d,
                    int64_t pos0, int64_t window, float scale, float* scores, int64_t stride, float* acc,
                    float* const* out) {
+  const int C = static_cast<int>(rows * heads);
   const int64_t first = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
-  float best[C];
+  float best[kMaxChains];
   for (int c = 0; c < C; ++c) best[c] = -INFINITY;
-  score_together<T, C>(q, keys, d, first, pos0, scale, scores, stride, best);
+  score_together<T>(q, C, keys, d, first, pos0, scale, scores, stride, best);
   std::vector<float> alone(d);
   for (int64_t r = 1; r < rows; ++r)  // later rows' own positions: each chain alone
     for (int64_t g = 0; g < heads; ++g) {
       const int64_t c = r * heads + g;
       for (int64_t e = 0; e < d; ++e) alone[e] = q[e / kLanes * C * kLanes + c * kLanes + e % kLanes];
       float* row = scores + c * stride;
-      score_together<T, 1>(alone.data(), keys, d, pos0 + 1, pos0 + r, scale, row, stride, best + c);
+      score_together<T>(alone.data(), 1, keys, d, pos0 + 1, pos0 + r, scale, row, stride, best + c);
     }
   for (int c = 0; c < C; ++c) {
     float* row = scores + c * stride;
@@ -1729,18 +1759,18 @@ void attend_chains(const float* q, int64_t rows, int64_t heads, const T* keys, c
   }
   // each chain's total adds its positions in order, the chains side by side (one chain's
   // additions alone would each wait for the one before)
-  float total[C];
+  float total[kMaxChains];
   for (int c = 0; c < C; ++c) total[c] = 0.0f;
   for (int64_t t = first; t <= pos0; ++t)
     for (int c = 0; c < C; ++c) total[c] += scores[c * stride + t];
   for (int c = 0; c < C; ++c)
     for (int64_t t = pos0 + 1; t <= pos0 + c / heads; ++t) total[c] += scores[c * stride + t];
   std::fill(acc, acc + C * d, 0.0f);
-  weigh_together<T, C>(values, d, first, pos0, scores, stride, acc);
+  weigh_together<T>(values, d, first, pos0, scores, stride, C, acc);
   for (int64_t r = 1; r < rows; ++r)
     for (int64_t g = 0; g < heads; ++g) {
       const int64_t c = r * heads + g;
-      weigh_together<T, 1>(values, d, pos0 + 1, pos0 + r, scores + c * stride, stride, acc + c * d);
+      weigh_together<T>(values, d, pos0 + 1, pos0 + r, scores + c * stride, stride, 1, acc + c * d);
     }
   for (int c = 0; c < C; ++c) {
     const float inv = 1.0f / total[c];
@@ -1779,9 +1809,11 @@ void attention_impl(const float* qkv, int64_t m, int64_t hq, int64_t hkv, int64_
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const int64_t group = hq / hkv;
-  // Tasks of up to 8 heads x as many rows as keep kMaxChains chains, fewer where that
-  // would leave a thread idle: rows first, then heads, down to one chain per task.
-  int64_t heads = std::min<int64_t>(group, 8), rows = window > 0 ? 1 : std::max<int64_t>(1, std::min<int64_t>(m, kMaxChains / heads));
+  // Tasks of a group's heads x as many rows as keep kMaxChains chains, fewer where that
+  // would leave a thread idle: rows first, then heads, down to one chain per task. The
+  // more chains a task has, the fewer times the cache is read (a pass over 5 positions of
+  // the 1.5B reads it once, where tasks of up to 12 chains read it three times).
+  int64_t heads = std::min<int64_t>(group, kMaxChains), rows = window > 0 ? 1 : std::max<int64_t>(1, std::min<int64_t>(m, kMaxChains / heads));
   auto task_count = [&] { return hkv * ((group + heads - 1) / heads) * ((m + rows - 1) / rows); };
   const int64_t threads = at::get_num_threads();
   while (rows > 1 && task_count() < threads) rows = (rows + 1) / 2;
@@ -1803,11 +1835,8 @@ void attention_impl(const float* qkv, int64_t m, int64_t hq, int64_t hkv, int64_
           for (int64_t e = 0; e < d; ++e) q[e / kLanes * C * kLanes + c * kLanes + e % kLanes] = src[e];
           out_rows[c] = out + ((i0 + r) * hq + h0 + g) * d;
         }
-      with_rows<kMaxChains>(static_cast<int>(C), [&](auto chains) {
-        attend_chains<T, decltype(chains)::value>(q.data(), nr, nh, kc + kvh * max_len * d, vc + kvh * max_len * d,
-                                                 d, start + i0, window, scale, scores.data(), stride, acc.data(),
-                                                 out_rows.data());
-      });
+      attend_chains<T>(q.data(), nr, nh, kc + kvh * max_len * d, vc + kvh * max_len * d, d, start + i0, window,
+                       scale, scores.data(), stride, acc.data(), out_rows.data());
     }
   });
 }
