@@ -1614,11 +1614,14 @@ template <class T>
 void score_together(const float* q, int C, const T* keys, int64_t d, int64_t from, int64_t to, float scale,
                     float* scores, int64_t stride, float* best) {
   // Where streams are fetched in software (Intel processors; the hardware alone fell behind
-  // there: benchmarks/attention.py --patch benchmarks/variants/attention_as_before.patch),
-  // the tiles of each kLanes keys share out the fetching of the next kLanes keys.
-  const bool fetch = pair_prefetch() > 0;
-  const int64_t block_lines = kLanes * d * static_cast<int64_t>(sizeof(T)) / 64;
-  const int64_t share = (block_lines + C - 1) / C;  // of the next lines, per tile (C tiles per kLanes keys)
+  // there: benchmarks/attention.py --patch benchmarks/variants/attention_as_before.patch).
+  // With a few chains (a plain step's) the scores wait on memory, and the first group of
+  // chains fetches its keys pair_prefetch() bytes ahead of those it reads, as a product's
+  // panels are fetched. With more they wait on arithmetic, and the tiles of each kLanes keys
+  // share out the fetching of the next kLanes keys (NOTES.md, "The Xeon a fourth time").
+  const int64_t ahead = pair_prefetch(), row_bytes = d * static_cast<int64_t>(sizeof(T));
+  const bool close = C <= 8;
+  const int64_t block_lines = kLanes * row_bytes / 64, share = (block_lines + C - 1) / C;  // C tiles per kLanes keys
   vfloat high[kMaxChains];  // per group of chains: the largest scores, lane by lane as in its tiles
   for (int g = 0; g < C; ++g) high[g] = vset1(-INFINITY);
   // fn(CT, c0, g) for each group g of CT chains from c0: fours, then a two and a one
@@ -1630,15 +1633,17 @@ void score_together(const float* q, int C, const T* keys, int64_t d, int64_t fro
   };
   int64_t j = from;
   for (; j + kLanes <= to + 1; j += kLanes) {
-    const char* next = reinterpret_cast<const char*>(keys + (j + kLanes) * d);
-    const bool fetch_next = fetch && j + kLanes <= to;
     int64_t pass = 0;
     each_group([&](auto ct, int c0, int g) {
       constexpr int CT = decltype(ct)::value, KT = kLanes / CT;
       for (int u0 = 0; u0 < kLanes; u0 += KT, ++pass) {
-        const int64_t lines = fetch_next ? std::max<int64_t>(0, std::min(share, block_lines - pass * share)) : 0;
-        const vfloat tile = vmul(score_tile<T, CT>(q, C, c0, keys + (j + u0) * d, d, next + 64 * pass * share, lines),
-                                 vset1(scale));
+        const char* fetch = reinterpret_cast<const char*>(keys + (j + u0) * d) + ahead;
+        int64_t lines = ahead && g == 0 ? KT * row_bytes / 64 : 0;
+        if (!close) {
+          fetch = reinterpret_cast<const char*>(keys + (j + kLanes) * d) + 64 * pass * share;
+          lines = ahead && j + kLanes <= to ? std::max<int64_t>(0, std::min(share, block_lines - pass * share)) : 0;
+        }
+        const vfloat tile = vmul(score_tile<T, CT>(q, C, c0, keys + (j + u0) * d, d, fetch, lines), vset1(scale));
         high[g] = vmax(high[g], tile);
         for (int c = 0; c < CT; ++c) store_lanes(scores + (c0 + c) * stride + j + u0, tile, c * KT, KT);
       }
