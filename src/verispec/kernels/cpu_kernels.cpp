@@ -1620,7 +1620,7 @@ void score_together(const float* q, int C, const T* keys, int64_t d, int64_t fro
   // panels are fetched. With more they wait on arithmetic, and the tiles of each kLanes keys
   // share out the fetching of the next kLanes keys (NOTES.md, "The Xeon a fourth time").
   const int64_t ahead = pair_prefetch(), row_bytes = d * static_cast<int64_t>(sizeof(T));
-  const bool close = C <= 8;
+  const bool few_chains = C <= 8;
   const int64_t block_lines = kLanes * row_bytes / 64, share = (block_lines + C - 1) / C;  // C tiles per kLanes keys
   vfloat high[kMaxChains];  // per group of chains: the largest scores, lane by lane as in its tiles
   for (int g = 0; g < C; ++g) high[g] = vset1(-INFINITY);
@@ -1639,7 +1639,7 @@ void score_together(const float* q, int C, const T* keys, int64_t d, int64_t fro
       for (int u0 = 0; u0 < kLanes; u0 += KT, ++pass) {
         const char* fetch = reinterpret_cast<const char*>(keys + (j + u0) * d) + ahead;
         int64_t lines = ahead && g == 0 ? KT * row_bytes / 64 : 0;
-        if (!close) {
+        if (!few_chains) {
           fetch = reinterpret_cast<const char*>(keys + (j + kLanes) * d) + 64 * pass * share;
           lines = ahead && j + kLanes <= to ? std::max<int64_t>(0, std::min(share, block_lines - pass * share)) : 0;
         }
