@@ -119,11 +119,15 @@ def test_a_long_prompt_goes_through_in_slices(folder):
 @needs_kernels
 @pytest.mark.parametrize("hq,hkv", [(12, 2), (32, 2), (6, 3), (4, 4)])
 def test_attention_reads_a_groups_keys_once_with_the_same_bits_as_head_by_head(hq, hkv):
-    """On one thread the query heads sharing a key/value head go through the cache together;
-    with more threads than such groups, head by head. Both give the same bits, and the
-    attention of a plain reference (no rotation: cos 1, sin 0). The values are weighed in
-    tiles of 16 KB of the cache (64 positions here), so the longer contexts span several."""
-    attention = kernels.cpu_kernels().attention
+    """On one thread the query heads sharing a key/value head go through the cache together
+    (up to 64 chains of a head and a position, in tiles of several chains and keys); with
+    more threads than such groups, head by head. Both give the same bits, and the attention
+    of a plain reference (no rotation: cos 1, sin 0). The values are weighed in tiles of
+    16 KB of the cache (64 positions here), so the longer contexts span several."""
+    _check_attention(kernels.cpu_kernels().attention, hq, hkv)
+
+
+def _check_attention(attention, hq: int, hkv: int) -> None:
     generator = torch.Generator().manual_seed(hq)
     d = 64
     for m, window, start in [(1, 0, 37), (5, 0, 37), (3, 20, 37), (1, 0, 300), (5, 0, 300), (2, 150, 300)]:
@@ -149,6 +153,12 @@ def test_attention_reads_a_groups_keys_once_with_the_same_bits_as_head_by_head(h
         weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
         expected = (weights @ values).transpose(0, 1).reshape(m, hq * d)
         torch.testing.assert_close(outputs[0], expected, rtol=1e-5, atol=1e-5)
+        # and a pass gives each row the bits of a step over its own positions alone: its
+        # later rows' own keys are scored one at a time, a step's in tiles of keys
+        kc, vc = k.clone(), v.clone()
+        steps = [attention(qkv[i:i + 1], kc, vc, cos[i:i + 1], sin[i:i + 1], start + i, hq, hkv, window,
+                           None, None, 1e-6) for i in range(m)]
+        assert torch.equal(outputs[0], torch.cat(steps))
 
 
 @needs_kernels
@@ -378,10 +388,11 @@ def test_the_prefetch_distance_changes_speed_only():
     assert k.stream_prefetch() == default == 20 * 1024
 
 
-def _products_of_111_panels(seed: int) -> tuple[list, int]:
+def _products_of_111_panels(seed: int, k=None) -> tuple[list, int]:
     """Products of 111 panels (two regions per thread, of odd and even length) in int8, int4,
-    float32 and bfloat16, with and without bias, as (x, residual) -> y, and their output width."""
-    k = kernels.cpu_kernels()
+    float32 and bfloat16, with and without bias, as (x, residual) -> y, and their output width;
+    on the kernels `k` (the usual build if None)."""
+    k = k or kernels.cpu_kernels()
     gen = torch.Generator().manual_seed(seed)
     n = 16 * 111
     int8 = Int8Linear.from_float(torch.randn(n, 256, generator=gen), torch.randn(n, generator=gen))
@@ -451,6 +462,31 @@ def test_passes_read_as_pairs_of_panels_give_the_rows_of_single_steps():
     finally:
         k.set_pair_rows(default)
     assert default in (1, 8)
+
+
+@pytest.fixture(scope="module")
+def avx2_kernels():
+    """The kernels built for AVX2 alone, on a processor with AVX-512 (where the usual build
+    never runs that path; on an AVX2 processor the usual build is this one)."""
+    if kernels.cpu_kernels() is None or torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("the usual build already runs the AVX2 path here, or there are no kernels")
+    return kernels.compile_source(kernels._SOURCE, prefix="verispec_avx2", extra_flags=["-mno-avx512f"])
+
+
+@pytest.mark.parametrize("hq,hkv", [(12, 2), (32, 2)])
+def test_the_avx2_build_attends_in_groups_with_the_bits_of_head_by_head(avx2_kernels, hq, hkv):
+    _check_attention(avx2_kernels.attention, hq, hkv)
+
+
+def test_the_avx2_build_gives_passes_the_bits_of_single_steps_and_of_the_avx512_build(avx2_kernels):
+    products, n = _products_of_111_panels(seed=21, k=avx2_kernels)
+    usual, _ = _products_of_111_panels(seed=21)
+    x, residual = _rows(256, seed=23, count=11), torch.randn(11, n, generator=torch.Generator().manual_seed(24))
+    for product, reference in zip(products, usual):
+        single = torch.cat([product(x[i:i + 1], residual[i:i + 1]) for i in range(11)])
+        for m in range(2, 12):
+            assert torch.equal(product(x[:m], residual[:m].contiguous()), single[:m]), m
+        assert torch.equal(single, reference(x, residual))  # the panel kernels are written over 16 lanes on both
 
 
 @needs_kernels

@@ -12,6 +12,7 @@ import hashlib
 import os
 import platform
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -41,14 +42,17 @@ def _cpu_signature() -> str:
     return platform.processor()
 
 
-def compile_source(source: Path, prefix: str = "verispec_cpu") -> ModuleType:
+def compile_source(source: Path, prefix: str = "verispec_cpu", extra_flags: Sequence[str] = ()) -> ModuleType:
     """`source` (this file's kernels, or a changed copy of them) compiled for this processor
-    as its own module, named after what it is built from; raises if it cannot be built."""
+    as its own module, named after what it is built from; raises if it cannot be built.
+    `extra_flags` go after the usual ones (`-mno-avx512f` builds the AVX2 path on a processor
+    that has AVX-512)."""
     from torch.utils.cpp_extension import load
 
-    digest = hashlib.sha1(source.read_bytes() + " ".join(_FLAGS).encode()
+    flags = _FLAGS + list(extra_flags)
+    digest = hashlib.sha1(source.read_bytes() + " ".join(flags).encode()
                           + _cpu_signature().encode()).hexdigest()[:12]
-    return load(name=f"{prefix}_{digest}", sources=[str(source)], extra_cflags=_FLAGS,
+    return load(name=f"{prefix}_{digest}", sources=[str(source)], extra_cflags=flags,
                 extra_ldflags=["-fopenmp"], verbose=False)
 
 
