@@ -1637,12 +1637,12 @@ void score_together(const float* q, int C, const T* keys, int64_t d, int64_t fro
     each_group([&](auto ct, int c0, int g) {
       constexpr int CT = decltype(ct)::value, KT = kLanes / CT;
       for (int u0 = 0; u0 < kLanes; u0 += KT, ++pass) {
-        const char* fetch = reinterpret_cast<const char*>(keys + (j + u0) * d) + ahead;
-        int64_t lines = ahead && g == 0 ? KT * row_bytes / 64 : 0;
-        if (!few_chains) {
-          fetch = reinterpret_cast<const char*>(keys + (j + kLanes) * d) + 64 * pass * share;
-          lines = ahead && j + kLanes <= to ? std::max<int64_t>(0, std::min(share, block_lines - pass * share)) : 0;
-        }
+        // few chains: the first group's own keys, ahead; more: this tile's share of the next keys
+        const char* fetch = few_chains ? reinterpret_cast<const char*>(keys + (j + u0) * d) + ahead
+                                       : reinterpret_cast<const char*>(keys + (j + kLanes) * d) + 64 * pass * share;
+        const int64_t lines = !ahead ? 0
+                              : few_chains ? (g == 0 ? KT * row_bytes / 64 : 0)
+                              : j + kLanes <= to ? std::max<int64_t>(0, std::min(share, block_lines - pass * share)) : 0;
         const vfloat tile = vmul(score_tile<T, CT>(q, C, c0, keys + (j + u0) * d, d, fetch, lines), vset1(scale));
         high[g] = vmax(high[g], tile);
         for (int c = 0; c < CT; ++c) store_lanes(scores + (c0 + c) * stride + j + u0, tile, c * KT, KT);
