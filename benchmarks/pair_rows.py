@@ -1,12 +1,13 @@
 """Up to how many rows a product should read its panels as two streams per thread (`set_pair_rows`).
 
-    python benchmarks/pair_rows.py                             # the 1.5B in every format, 1 against 8
+    python benchmarks/pair_rows.py                             # the 1.5B in every format, 1 against 16
     python benchmarks/pair_rows.py --formats int4 --settings 1 5 8 --rows 1 5 8 9 --rounds 8
 
 A one-row product reads each thread's region as two streams side by side, fetched
 pair_prefetch() bytes ahead. A verification pass over several positions can read its panels
-the same way (tiles that take two panels at once: up to 8 rows in int8 and int4, 3 in the
-float formats) or as one stream per thread fetched stream_prefetch() bytes ahead. For each weight format the model runs
+the same way (int8 and int4 tiles take two panels with up to 8 rows; float tiles take up to 3
+and go through a block of the two panels in groups of rows, up to 16) or as one stream per
+thread fetched stream_prefetch() bytes ahead. For each weight format the model runs
 forward passes over m positions with each setting in turn, round by round, so that a change
 in the machine's load hits every setting alike; every setting's logits are first checked to
 be bit-identical (the tiles sum in the same order). Prints r(m) = t(m) / t(1) per setting,
@@ -77,10 +78,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--formats", nargs="+", default=["int4", "int8", "bfloat16", "float32"])
-    parser.add_argument("--settings", type=int, nargs="+", default=[1, 8], help="pair_rows values to compare")
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 5, 6, 7, 8, 9])
+    parser.add_argument("--settings", type=int, nargs="+", default=[1, 16], help="pair_rows values to compare")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 5, 6, 7, 8, 9, 12, 16, 17])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="passes per setting, size and round (their median counts)")
+    parser.add_argument("--save-as", default="pair_rows", help="results/perf/<host>/<name>.json")
     args = parser.parse_args()
     kernels = panel_kernels()
     if kernels is None:
@@ -91,7 +93,7 @@ def main() -> int:
     warn_if_busy()
     results = {fmt: measure(fmt, args.model, args.settings, rows, args.rounds, args.steps, kernels)
                for fmt in args.formats}
-    save("pair_rows", {"model": args.model, "default": kernels.pair_rows(), "formats": results})
+    save(args.save_as, {"model": args.model, "default": kernels.pair_rows(), "formats": results})
     return 0
 
 

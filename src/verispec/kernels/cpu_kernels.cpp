@@ -261,18 +261,19 @@ void for_each_region_piece(int64_t count, int64_t stride, int64_t unit_panels, c
 }
 
 // Products of up to this many rows read their panels as a one-row product does, two streams
-// per thread fetched pair_prefetch() bytes ahead, where the format has a tile that takes two
-// panels with that many rows (integers up to 8, floats up to 3), unless `set_pair_rows`
-// changes it: on Intel processors 8, elsewhere 1. On the Intel Xeon these kernels were
-// measured on, one stream per thread fetched 20 KB ahead made passes of the 1.5B over 2 / 5
-// / 8 positions cost 1.49 / 1.63 / 1.83 one-row steps in int4; read as pairs 1.11 / 1.23 /
-// 1.67 (int8: 1.23 / 1.37 / 1.70 against 1.06 / 1.17 / 1.41; bfloat16 over 2 and 3: 1.51
-// and 1.57 against 1.09 and 1.10), with the same bits (benchmarks/pair_rows.py). On the AMD
-// EPYCs pairs are fetched by the hardware alone, which fell behind a stream of several rows
-// when this layout was written, so there it stays at one row until it is measured.
+// per thread fetched pair_prefetch() bytes ahead, where the format reads pairs with that many
+// rows (integers up to 8, floats up to 16), unless `set_pair_rows` changes it: on Intel
+// processors 16, elsewhere 1. On the Intel Xeon these kernels were measured on, one stream
+// per thread fetched 20 KB ahead made passes of the 1.5B over 2 / 5 / 8 positions cost 1.49 /
+// 1.63 / 1.83 one-row steps in int4; read as pairs 1.11 / 1.23 / 1.67 (int8: 1.23 / 1.37 /
+// 1.70 against 1.06 / 1.17 / 1.41); over 5 / 9 positions in bfloat16 1.64 / 2.15 against 1.26
+// / 1.74, in float32 1.44 / 1.77 against 1.03 / 1.32; with the same bits
+// (benchmarks/pair_rows.py). On the AMD EPYCs pairs are fetched by the hardware alone, which
+// fell behind a stream of several rows when this layout was written, so there it stays at
+// one row until it is measured.
 int64_t default_pair_rows() {
   __builtin_cpu_init();
-  return __builtin_cpu_is("intel") ? 8 : 1;
+  return __builtin_cpu_is("intel") ? 16 : 1;
 }
 std::atomic<int64_t> g_pair_rows{default_pair_rows()};
 inline int64_t pair_rows() { return g_pair_rows.load(std::memory_order_relaxed); }
@@ -1265,23 +1266,33 @@ __attribute__((noinline)) void float_panel_tile(const uint8_t* panel, int64_t k,
   }
 }
 
-// rows [0, R) x the 16 columns of two panels read side by side (each column's sums in the
-// same order as float_panel_tile<P, R>, so the same bits); `ahead`: how far ahead both
-// streams are fetched (0: not at all)
+// Where a float pair tile fetches: lines [from, to) past each panel's start, spread evenly
+// over its steps (on: whether it fetches at all)
+struct PairFetch {
+  int64_t from, to;
+  bool on;
+};
+
+// Steps kk in [k0, k1) of rows [0, R) x the 16 columns of two panels read side by side, each
+// row's 8 accumulators (4 per panel) taken from `sums` and put back: the same sums in the same
+// order as float_panel_tile<P, R>, split where a caller splits k.
 template <class P, int R>
-__attribute__((noinline)) void float_panel_pair(const uint8_t* pa, const uint8_t* pb, int64_t k, const float* x,
-                                                float* y, int64_t ldy, int64_t col_a, int64_t col_b,
-                                                const float* bias, const float* residual, int64_t ahead) {
+__attribute__((noinline)) void float_pair_steps(const uint8_t* pa, const uint8_t* pb, int64_t k0, int64_t k1,
+                                                const float* x, int64_t ldx, Lanes (*sums)[8], PairFetch fetch) {
   constexpr int L = P::kPerLine, kLinesPerStep = 4 / L;
   Lanes a[4][R], b[4][R];  // accumulator i of row r, panel a and panel b
   for (int i = 0; i < 4; ++i)
-    for (int r = 0; r < R; ++r) a[i][r] = b[i][r] = lzero();
-  for (int64_t kk = 0; kk < k; kk += 4) {
+    for (int r = 0; r < R; ++r) a[i][r] = sums[r][i], b[i][r] = sums[r][4 + i];
+  // Bresenham's spread: `owed` counts fetches in units of 1 / steps of a line
+  const int64_t steps = (k1 - k0) / 4, lines = fetch.to - fetch.from;
+  int64_t next = fetch.from, owed = 0;
+  for (int64_t kk = k0; kk < k1; kk += 4) {
     const uint8_t *la = pa + kk / L * 64, *lb = pb + kk / L * 64;
-    if (ahead) {
-      fetch_ahead(la, ahead, kLinesPerStep);
-      fetch_ahead(lb, ahead, kLinesPerStep);
-    }
+    if (fetch.on)
+      for (owed += lines; owed >= steps; owed -= steps, ++next) {
+        _mm_prefetch(reinterpret_cast<const char*>(pa + 64 * next), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(pb + 64 * next), _MM_HINT_T0);
+      }
     Lanes wa[4], wb[4];
     for (int l = 0; l < kLinesPerStep; ++l) {
       P::unpack(iload(la + 64 * l), wa + l * L);
@@ -1289,47 +1300,83 @@ __attribute__((noinline)) void float_panel_pair(const uint8_t* pa, const uint8_t
     }
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < 4; ++i) {
-        const Lanes xi = lset1(x[r * k + kk + i]);
+        const Lanes xi = lset1(x[r * ldx + kk + i]);
         a[i][r] = lfma(wa[i], xi, a[i][r]);
         b[i][r] = lfma(wb[i], xi, b[i][r]);
       }
   }
+  for (int i = 0; i < 4; ++i)
+    for (int r = 0; r < R; ++r) sums[r][i] = a[i][r], sums[r][4 + i] = b[i][r];
+}
+
+// The most rows a float tile reads two panels with at once: 8 accumulators per row, 24 of the
+// 32 zmm at 3 rows; with 16 ymm registers, one row.
+constexpr int kFloatPairRows = kWideLanes ? 3 : 1;
+// The most rows a float product reads as pairs: more rows than one tile holds go through
+// each block of kFloatPairBlock bytes of both panels in groups, the first group reading it
+// from memory and the others from L1. Blocks of 2 KB per panel beat 4 and 8 KB in passes of
+// the 1.5B over 5 and 8 positions (benchmarks/NOTES.md): the block being read, the next one
+// being fetched and the rows' inputs for it all stay in L1.
+constexpr int kFloatPairMaxRows = 16;
+constexpr int64_t kFloatPairBlock = 2048;
+
+// rows [0, m) x the 16 columns of panels pa and pb (m <= kFloatPairMaxRows), both streams
+// fetched `ahead` bytes ahead (0: not at all). With several groups of rows the fetches are
+// spread over all of them, so that memory keeps streaming while the later groups read L1.
+template <class P>
+void float_panel_pair(const uint8_t* pa, const uint8_t* pb, int64_t k, const float* x, int64_t m, float* y,
+                      int64_t ldy, int64_t col_a, int64_t col_b, const float* bias, const float* residual,
+                      int64_t ahead) {
+  constexpr int L = P::kPerLine;
+  const int64_t groups = (m + kFloatPairRows - 1) / kFloatPairRows;
+  const int64_t block = groups == 1 ? k : kFloatPairBlock / 64 * L;  // inputs per block
+  Lanes sums[kFloatPairMaxRows][8];
+  for (int64_t r = 0; r < m; ++r)
+    for (int i = 0; i < 8; ++i) sums[r][i] = lzero();
+  for (int64_t k0 = 0; k0 < k; k0 += block) {
+    const int64_t k1 = std::min(k, k0 + block), line0 = k0 / L + ahead / 64, lines = (k1 - k0) / L;
+    for (int64_t g = 0, row0 = 0; g < groups; ++g) {
+      const int64_t rows = (m - row0) / (groups - g);
+      const PairFetch fetch{line0 + lines * row0 / m, line0 + lines * (row0 + rows) / m, ahead != 0};
+      with_rows<kFloatPairRows>(static_cast<int>(rows), [&](auto r) {
+        float_pair_steps<P, decltype(r)::value>(pa, pb, k0, k1, x + row0 * k, k, sums + row0, fetch);
+      });
+      row0 += rows;
+    }
+  }
   const int64_t cols[2] = {col_a, col_b};
-  for (int r = 0; r < R; ++r)
+  for (int64_t r = 0; r < m; ++r)
     for (int j = 0; j < 2; ++j) {
-      const auto& acc = j == 0 ? a : b;
-      Lanes v = ladd(ladd(acc[0][r], acc[1][r]), ladd(acc[2][r], acc[3][r]));
+      const Lanes* s = sums[r] + 4 * j;
+      Lanes v = ladd(ladd(s[0], s[1]), ladd(s[2], s[3]));
       if (bias) v = ladd(v, lload(bias + cols[j]));
       if (residual) v = ladd(v, lload(residual + r * ldy + cols[j]));
       lstore(y + r * ldy + cols[j], v);
     }
 }
 
-// The most rows a float tile reads two panels with: 8 accumulators per row, 24 of the 32 zmm
-// at 3 rows; with 16 ymm registers, one row.
-constexpr int kFloatPairRows = kWideLanes ? 3 : 1;
-
 template <class P>
 void matmul_float_panels(const uint8_t* panels, int64_t n, int64_t k, const float* x, int64_t m, float* y,
                          const float* bias, const float* residual) {
   const int64_t stride = kPanel * k * 4 / P::kPerLine;
-  for_each_panel_tile(panels, n / kPanel, stride, k, m, kFloatPanelRows, kFloatPairRows,
+  for_each_panel_tile(panels, n / kPanel, stride, k, m, kFloatPanelRows, kFloatPairMaxRows,
                       [&](int rows, int64_t p, int64_t q, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
     if (q >= 0) {  // two streams
-      with_rows<kFloatPairRows>(rows, [&](auto r) {
-        float_panel_pair<P, decltype(r)::value>(panels + p * stride, panels + q * stride, k, x + row0 * k,
-                                                y + row0 * n, n, p * kPanel, q * kPanel, bias,
-                                                residual ? residual + row0 * n : nullptr, ahead);
-      });
+      float_panel_pair<P>(panels + p * stride, panels + q * stride, k, x + row0 * k, rows, y + row0 * n, n,
+                          p * kPanel, q * kPanel, bias, residual ? residual + row0 * n : nullptr, ahead);
       return;
     }
-    const uint8_t* panel = panels + p * stride;
-    const float* xr = x + row0 * k;
-    float* yr = y + row0 * n;
-    const float* rr = residual ? residual + row0 * n : nullptr;
-    with_rows<kFloatPanelRows>(rows, [&](auto r) {
-      float_panel_tile<P, decltype(r)::value>(panel, k, xr, yr, n, p * kPanel, bias, rr, fetch_end, ahead);
-    });
+    // one panel: a tile of a pass read as one stream, or the odd one out of a region read as
+    // pairs, whose rows may need more than one tile
+    for (int tiles = (rows + kFloatPanelRows - 1) / kFloatPanelRows, t = 0, first = row0; t < tiles; ++t) {
+      const int count = (row0 + rows - first) / (tiles - t);
+      with_rows<kFloatPanelRows>(count, [&](auto r) {
+        float_panel_tile<P, decltype(r)::value>(panels + p * stride, k, x + first * k, y + first * n, n,
+                                                p * kPanel, bias, residual ? residual + first * n : nullptr,
+                                                t == 0 ? fetch_end : nullptr, ahead);
+      });
+      first += count;
+    }
   });
 }
 
