@@ -211,6 +211,7 @@ inline void fetch_rows(const T* p, int64_t bytes, int64_t ahead) {
 }
 
 constexpr int kPanel = 16;  // output columns per panel, in every panel layout
+constexpr int kGroup = 32;  // inputs per group: int4's scales, int8's and int4's rounded activations
 
 // fn(std::integral_constant<int, R>{}) for R = rows in [1, Max]: a panel tile's row count
 // is a template argument (each size keeps its own register allocation), chosen here at run time
@@ -351,9 +352,19 @@ void for_each_panel_tile(const uint8_t* panels, int64_t count, int64_t stride, i
   });
 }
 
+// Where a pair tile read in blocks fetches: lines [from, to) past each panel's start, spread
+// evenly over its steps (on: whether it fetches at all)
+struct PairFetch {
+  int64_t from, to;
+  bool on;
+};
+
 // Where an integer panel tile reads and writes: its S panels (side by side) and their first
 // output columns, its first row, the output and residual from that row on, and how far ahead
-// it fetches its stream (fetch_end null: not at all).
+// it fetches its stream (fetch_end null: not at all). With `sums`, one block of a pair read in
+// blocks: groups [g0, g1) only, its accumulators taken from `sums` (16 floats per panel and
+// row) unless g0 is 0 and put back unless g1 is the last group, which writes the output; it
+// fetches as `fetch` says.
 struct IntegerTile {
   const uint8_t* panel[2];
   int64_t col0[2];
@@ -362,22 +373,63 @@ struct IntegerTile {
   const float* residual;
   const uint8_t* fetch_end;
   int64_t ahead;
+  float* sums = nullptr;
+  int64_t g0 = 0, g1 = 0;
+  PairFetch fetch{0, 0, false};
 };
 
-// The tile loop of the integer panel products (int4, int8): tile(R, S, IntegerTile) with R
-// rows and S panels as std::integral_constant: <rows, 2> where a product reads pairs of
-// panels (at most MaxPairRows rows), otherwise <rows, 1>.
-template <int MaxRows, int MaxPairRows, class Tile>
+// Bytes of each panel per block where a pair holds more rows than one tile, as for the
+// float panels (kFloatPairBlock below).
+constexpr int64_t kIntegerPairBlock = 2048;
+
+// The tile loop of the integer panel products (int4, int8): tile(R, S, B, IntegerTile) with R
+// rows, S panels and B (whether the tile is one block of a pair read in blocks) as
+// std::integral_constant: <rows, 2> where a product reads pairs of panels, otherwise <rows, 1>.
+// A pair tile holds at most MaxPairRows rows; pairs of up to MaxBlockRows go through blocks
+// of kIntegerPairBlock bytes of both panels in groups of rows, the first group reading a
+// block from memory and the others from L1, every group fetching its share of the next block.
+template <int MaxRows, int MaxPairRows, int MaxBlockRows = 2 * MaxPairRows, class Tile>
 void for_each_integer_tile(const uint8_t* panels, int64_t n, int64_t k, int64_t m, int64_t stride, float* y,
                            const float* residual, const Tile& tile) {
-  for_each_panel_tile(panels, n / kPanel, stride, k, m, MaxRows, MaxPairRows,
+  const int64_t groups = k / kGroup, group_bytes = stride / groups;
+  for_each_panel_tile(panels, n / kPanel, stride, k, m, MaxRows, MaxBlockRows,
                       [&](int rows, int64_t p, int64_t q, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
-    const IntegerTile t{{panels + p * stride, panels + q * stride}, {p * kPanel, q * kPanel}, row0, y + row0 * n,
-                        residual ? residual + row0 * n : nullptr, fetch_end, ahead};
-    if (q >= 0)  // two streams (fetched pair_prefetch() bytes ahead)
-      with_rows<MaxPairRows>(rows, [&](auto r) { tile(r, std::integral_constant<int, 2>{}, t); });
-    else
-      with_rows<MaxRows>(rows, [&](auto r) { tile(r, std::integral_constant<int, 1>{}, t); });
+    const auto part = [&](int64_t first, const uint8_t* fetch_end, int64_t ahead) {
+      return IntegerTile{{panels + p * stride, panels + q * stride}, {p * kPanel, q * kPanel}, first,
+                         y + first * n, residual ? residual + first * n : nullptr, fetch_end, ahead};
+    };
+    if (q < 0) {  // one panel: a pass read as one stream, or a region's odd one out, in tiles
+      for (int tiles = (rows + MaxRows - 1) / MaxRows, t = 0, first = row0; t < tiles; ++t) {
+        const int count = (row0 + rows - first) / (tiles - t);
+        with_rows<MaxRows>(count, [&](auto r) {
+          tile(r, std::integral_constant<int, 1>{}, std::false_type{}, part(first, t == 0 ? fetch_end : nullptr, ahead));
+        });
+        first += count;
+      }
+    } else if (rows <= MaxPairRows) {  // two streams (fetched pair_prefetch() bytes ahead)
+      with_rows<MaxPairRows>(rows, [&](auto r) {
+        tile(r, std::integral_constant<int, 2>{}, std::false_type{}, part(row0, nullptr, ahead));
+      });
+    } else {
+      alignas(64) float sums[2 * MaxBlockRows * 16];
+      const int64_t tiles = (rows + MaxPairRows - 1) / MaxPairRows;
+      const int64_t block = std::max<int64_t>(1, kIntegerPairBlock / group_bytes);  // groups per block
+      for (int64_t g0 = 0; g0 < groups; g0 += block) {
+        const int64_t g1 = std::min(groups, g0 + block), line0 = (g0 * group_bytes + ahead) / 64,
+                      lines = (g1 - g0) * group_bytes / 64;
+        for (int64_t t = 0, done = 0; t < tiles; ++t) {
+          const int64_t count = (rows - done) / (tiles - t);
+          IntegerTile it = part(row0 + done, nullptr, 0);
+          it.sums = sums + 2 * 16 * done;
+          it.g0 = g0, it.g1 = g1;
+          it.fetch = {line0 + lines * done / rows, line0 + lines * (done + count) / rows, ahead != 0};
+          with_rows<MaxPairRows>(static_cast<int>(count), [&](auto r) {
+            tile(r, std::integral_constant<int, 2>{}, std::true_type{}, it);
+          });
+          done += count;
+        }
+      }
+    }
   });
 }
 
@@ -585,7 +637,6 @@ struct Int8Weights {
 // 4-bit, groups of 32 along k: 16 bytes per group (byte j holds weight j in its low nibble
 // and weight j+16 in its high nibble, the layout of GGUF's Q4_0/Q4_1 blocks) and two
 // float16 numbers per group, scale s and offset z: w = s*q + z.
-constexpr int kGroup = 32;
 struct Int4Weights {
   static constexpr int kStep = 2 * kLanes, kParts = 2;
   const uint8_t* q;
@@ -1022,12 +1073,41 @@ inline ILanes broadcast_dword(const int8_t* p) {
   return iset1(v);
 }
 
+// A pair read in blocks fetches lines [from, to) of both panels spread evenly over a tile's
+// steps (Bresenham's spread: `owed` counts in units of 1 / steps of a line).
+struct SpreadFetch {
+  const uint8_t *a, *b;
+  int64_t next, lines, steps, owed = 0;
+  SpreadFetch(const uint8_t* pa, const uint8_t* pb, PairFetch f, int64_t steps)
+      : a(pa), b(pb), next(f.from), lines(f.on ? f.to - f.from : 0), steps(steps) {}
+  void step() {
+    for (owed += lines; owed >= steps; owed -= steps, ++next) {
+      _mm_prefetch(reinterpret_cast<const char*>(a + 64 * next), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b + 64 * next), _MM_HINT_T0);
+    }
+  }
+};
+
+// An integer tile's N accumulators where it starts: zeros, or where the block before left them
+template <int N, bool Blocks>
+inline void start_sums(const IntegerTile& tile, Lanes* acc) {
+  for (int i = 0; i < N; ++i) acc[i] = Blocks && tile.g0 > 0 ? lload(tile.sums + 16 * i) : lzero();
+}
+
+// ...and where it ends: true where a later block goes on from them (they are put back)
+template <int N, bool Blocks>
+inline bool put_back_sums(const IntegerTile& tile, const Lanes* acc, int64_t groups) {
+  if (!Blocks || tile.g1 == groups) return false;
+  for (int i = 0; i < N; ++i) lstore(tile.sums + 16 * i, acc[i]);
+  return true;
+}
+
 // rows [0, R) x the 16 columns of one panel, over all groups. Each row's int32 sums over a
 // group are exact whatever the order; its float accumulator sees the same two
 // multiply-adds per group in every tile, so the result does not depend on R (nor on the
 // instruction set: the integer sums are the same, the float work lane by lane the same).
 // Not inlined: each tile size keeps its own register allocation.
-template <int R, int S>
+template <int R, int S, bool Blocks = false>
 __attribute__((noinline)) void panel_tile(const IntegerTile& tile, int64_t groups, const RoundedRows& xr, int64_t k,
                                           int64_t ldy, const float* bias) {
   const uint8_t *const *panel = tile.panel, *fetch_end = tile.fetch_end;
@@ -1048,14 +1128,18 @@ __attribute__((noinline)) void panel_tile(const IntegerTile& tile, int64_t group
   constexpr bool kHighInPlace = kNativeDot && kChains % 2 == 0;
   const ILanes low = ibytes(15);
   Lanes acc[N];
-  for (int i = 0; i < N; ++i) acc[i] = lzero();
+  start_sums<N, Blocks>(tile, acc);
   const int8_t* xq = xr.q.data() + row0 * k;
   const float* dx = xr.dx.data() + row0 * groups;
   const float* cx = xr.c.data() + row0 * groups;
-  for (int64_t g = 0; g < groups; ++g) {
+  const int64_t g_begin = Blocks ? tile.g0 : 0, g_end = Blocks ? tile.g1 : groups;
+  SpreadFetch spread(panel[0], panel[S - 1], tile.fetch, g_end - g_begin);
+  for (int64_t g = g_begin; g < g_end; ++g) {
     const uint8_t* p[S];
     for (int j = 0; j < S; ++j) p[j] = panel[j] + g * kPanelGroupBytes;
-    if (fetch_end && p[0] + ahead + kPanelGroupBytes <= fetch_end)
+    if (Blocks)
+      spread.step();
+    else if (fetch_end && p[0] + ahead + kPanelGroupBytes <= fetch_end)
       fetch_ahead(p[0], ahead, 5);
     else if (S == 2 && ahead)
       for (int j = 0; j < S; ++j) fetch_ahead(p[j], ahead, 5);
@@ -1104,6 +1188,7 @@ __attribute__((noinline)) void panel_tile(const IntegerTile& tile, int64_t group
       }
     }
   }
+  if (put_back_sums<N, Blocks>(tile, acc, groups)) return;
   for (int j = 0; j < S; ++j)
     for (int r = 0; r < R; ++r) {
       Lanes v = acc[j * R + r];
@@ -1118,8 +1203,8 @@ void matmul_panels(const uint8_t* panels, int64_t n, int64_t k, const float* x, 
   const RoundedRows xr = round_rows(x, m, k);
   const int64_t groups = k / kGroup, stride = groups * kPanelGroupBytes;
   for_each_integer_tile<kPanelRows, kPairRows>(panels, n, k, m, stride, y, residual,
-                                    [&](auto rows, auto streams, const IntegerTile& tile) {
-    panel_tile<decltype(rows)::value, decltype(streams)::value>(tile, groups, xr, k, n, bias);
+                                    [&](auto rows, auto streams, auto blocks, const IntegerTile& tile) {
+    panel_tile<decltype(rows)::value, decltype(streams)::value, decltype(blocks)::value>(tile, groups, xr, k, n, bias);
   });
 }
 
@@ -1266,13 +1351,6 @@ __attribute__((noinline)) void float_panel_tile(const uint8_t* panel, int64_t k,
   }
 }
 
-// Where a float pair tile fetches: lines [from, to) past each panel's start, spread evenly
-// over its steps (on: whether it fetches at all)
-struct PairFetch {
-  int64_t from, to;
-  bool on;
-};
-
 // Steps kk in [k0, k1) of rows [0, R) x the 16 columns of two panels read side by side, each
 // row's 8 accumulators (4 per panel) taken from `sums` and put back: the same sums in the same
 // order as float_panel_tile<P, R>, split where a caller splits k.
@@ -1283,16 +1361,10 @@ __attribute__((noinline)) void float_pair_steps(const uint8_t* pa, const uint8_t
   Lanes a[4][R], b[4][R];  // accumulator i of row r, panel a and panel b
   for (int i = 0; i < 4; ++i)
     for (int r = 0; r < R; ++r) a[i][r] = sums[r][i], b[i][r] = sums[r][4 + i];
-  // Bresenham's spread: `owed` counts fetches in units of 1 / steps of a line
-  const int64_t steps = (k1 - k0) / 4, lines = fetch.to - fetch.from;
-  int64_t next = fetch.from, owed = 0;
+  SpreadFetch spread(pa, pb, fetch, (k1 - k0) / 4);
   for (int64_t kk = k0; kk < k1; kk += 4) {
     const uint8_t *la = pa + kk / L * 64, *lb = pb + kk / L * 64;
-    if (fetch.on)
-      for (owed += lines; owed >= steps; owed -= steps, ++next) {
-        _mm_prefetch(reinterpret_cast<const char*>(pa + 64 * next), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(pb + 64 * next), _MM_HINT_T0);
-      }
+    spread.step();
     Lanes wa[4], wb[4];
     for (int l = 0; l < kLinesPerStep; ++l) {
       P::unpack(iload(la + 64 * l), wa + l * L);
@@ -1440,7 +1512,7 @@ Int16Rows round_rows_int16(const float* x, int64_t m, int64_t k) {
 }
 
 // rows [0, R) x the 16 columns of S panels (read side by side), over all k
-template <int R, int S>
+template <int R, int S, bool Blocks = false>
 __attribute__((noinline)) void int8_panel_tile(const IntegerTile& tile, int64_t k, const Int16Rows& xr, int64_t ldy,
                                                const float* scale, const float* bias) {
   const uint8_t *const *panel = tile.panel, *fetch_end = tile.fetch_end;
@@ -1454,11 +1526,14 @@ __attribute__((noinline)) void int8_panel_tile(const IntegerTile& tile, int64_t 
   constexpr int N = S * R;  // sums for row r of panel j at j * R + r
   const int64_t groups = k / kGroup;
   Lanes acc[N];
-  for (int i = 0; i < N; ++i) acc[i] = lzero();
-  for (int64_t g = 0; g < groups; ++g) {
+  start_sums<N, Blocks>(tile, acc);
+  const int64_t g_begin = Blocks ? tile.g0 : 0, g_end = Blocks ? tile.g1 : groups;
+  SpreadFetch spread(panel[0], panel[S - 1], tile.fetch, g_end - g_begin);
+  for (int64_t g = g_begin; g < g_end; ++g) {
     const uint8_t* lines[S];
     for (int j = 0; j < S; ++j) lines[j] = panel[j] + g * kGroup * kPanel;
-    const bool fetch = fetch_end && lines[0] + ahead + 512 <= fetch_end, fetch_pair = S == 2 && ahead;
+    const bool fetch = !Blocks && fetch_end && lines[0] + ahead + 512 <= fetch_end, fetch_pair = !Blocks && S == 2 && ahead;
+    if (Blocks) spread.step();
     ILanes s0[N], s1[N], s2[N], s3[N], s4[N], s5[N], s6[N], s7[N];
     ILanes* sums[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
     for (int c = 0; c < kChains; ++c)
@@ -1486,6 +1561,7 @@ __attribute__((noinline)) void int8_panel_tile(const IntegerTile& tile, int64_t 
       acc[i] = lfma(lfloat(total), lset1(xr.dx[(row0 + i % R) * groups + g]), acc[i]);
     }
   }
+  if (put_back_sums<N, Blocks>(tile, acc, groups)) return;
   for (int j = 0; j < S; ++j) {
     const Lanes s = lload(scale + col0[j]);
     for (int r = 0; r < R; ++r) {
@@ -1513,8 +1589,8 @@ at::Tensor linear_int8_panels(const at::Tensor& x, const at::Tensor& panels, con
   const float *sp = scale.data_ptr<float>(), *bp = optional_ptr(bias, n), *rp = optional_ptr(residual, m * n);
   float* yp = y.data_ptr<float>();
   const int64_t stride = kPanel * k;
-  for_each_integer_tile<kInt8PanelRows, kPairRows>(w, n, k, m, stride, yp, rp, [&](auto rows, auto streams, const IntegerTile& tile) {
-    int8_panel_tile<decltype(rows)::value, decltype(streams)::value>(tile, k, xr, n, sp, bp);
+  for_each_integer_tile<kInt8PanelRows, kPairRows>(w, n, k, m, stride, yp, rp, [&](auto rows, auto streams, auto blocks, const IntegerTile& tile) {
+    int8_panel_tile<decltype(rows)::value, decltype(streams)::value, decltype(blocks)::value>(tile, k, xr, n, sp, bp);
   });
   return y;
 }
@@ -1542,7 +1618,7 @@ at::Tensor read_int8_panels(const at::Tensor& panels) {
   at::Tensor y = at::empty({1, n}, panels.options().dtype(at::kFloat));
   const uint8_t* w = reinterpret_cast<const uint8_t*>(panels.data_ptr<int8_t>());
   for_each_integer_tile<kInt8PanelRows, 1>(w, n, k, 1, kPanel * k, y.data_ptr<float>(), nullptr,
-                                        [&](auto, auto streams, const IntegerTile& tile) {
+                                        [&](auto, auto streams, auto, const IntegerTile& tile) {
     read_panel_lines<decltype(streams)::value>(tile, k);
   });
   return y;
