@@ -267,9 +267,9 @@ void for_each_region_piece(int64_t count, int64_t stride, int64_t unit_panels, c
 // processors 16, elsewhere 1. On the Intel Xeon these kernels were measured on, one stream
 // per thread fetched 20 KB ahead made passes of the 1.5B over 2 / 5 / 8 positions cost 1.49 /
 // 1.63 / 1.83 one-row steps in int4; read as pairs 1.11 / 1.23 / 1.67 (int8: 1.23 / 1.37 /
-// 1.70 against 1.06 / 1.17 / 1.41); over 5 / 9 positions in bfloat16 1.64 / 2.15 against 1.26
-// / 1.74, in float32 1.44 / 1.77 against 1.03 / 1.32; with the same bits
-// (benchmarks/pair_rows.py). On the AMD EPYCs pairs are fetched by the hardware alone, which
+// 1.70 against 1.06 / 1.17 / 1.41); over 5 / 9 positions in bfloat16 1.63 / 2.14 against 1.24
+// / 1.70, in float32 1.45 / 1.78 against 1.03 / 1.31, and over 9 / 12 in int4 1.87 / 2.56
+// against 1.59 / 1.91; with the same bits (benchmarks/pair_rows.py, NOTES.md). On the AMD EPYCs pairs are fetched by the hardware alone, which
 // fell behind a stream of several rows when this layout was written, so there it stays at
 // one row until it is measured.
 int64_t default_pair_rows() {
@@ -1532,7 +1532,8 @@ __attribute__((noinline)) void int8_panel_tile(const IntegerTile& tile, int64_t 
   for (int64_t g = g_begin; g < g_end; ++g) {
     const uint8_t* lines[S];
     for (int j = 0; j < S; ++j) lines[j] = panel[j] + g * kGroup * kPanel;
-    const bool fetch = !Blocks && fetch_end && lines[0] + ahead + 512 <= fetch_end, fetch_pair = !Blocks && S == 2 && ahead;
+    const bool fetch = !Blocks && fetch_end && lines[0] + ahead + 512 <= fetch_end;
+    const bool fetch_pair = !Blocks && S == 2 && ahead;
     if (Blocks) spread.step();
     ILanes s0[N], s1[N], s2[N], s3[N], s4[N], s5[N], s6[N], s7[N];
     ILanes* sums[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
