@@ -308,10 +308,21 @@ void for_each_panel_region(const uint8_t* panels, int64_t count, int64_t stride,
   });
 }
 
+// part(first, count) over rows [0, rows) split into parts of at most max_rows, as even as
+// that allows (17 rows in parts of at most 10: 9 + 8, not 10 + 7)
+template <class Part>
+inline void split_rows(int64_t rows, int64_t max_rows, const Part& part) {
+  const int64_t parts = (rows + max_rows - 1) / max_rows;
+  for (int64_t t = 0, first = 0; t < parts; ++t) {
+    const int64_t count = (rows - first) / (parts - t);
+    part(first, count);
+    first += count;
+  }
+}
+
 // The loop every panel product shares: panels split among the threads, and the m rows
-// split into tiles of at most `max_rows`, as even as that allows (17 rows of 10: 9 + 8, not
-// 10 + 7). tile(rows, p, q, row0, fetch_end, ahead) computes rows [row0, row0 + rows) of
-// panel p, and of panel q too when q >= 0.
+// split into tiles of at most `max_rows` (split_rows). tile(rows, p, q, row0, fetch_end,
+// ahead) computes rows [row0, row0 + rows) of panel p, and of panel q too when q >= 0.
 //
 // A product of one row (a plain decoding step), or of up to min(pair_max_rows, pair_rows())
 // rows, reads one region per thread as two streams side by side (q >= 0), fetched
@@ -337,18 +348,15 @@ void for_each_panel_tile(const uint8_t* panels, int64_t count, int64_t stride, i
     return;
   }
   // small products run on one thread: waking the others would cost more than it saves
-  const int64_t tiles = (m + max_rows - 1) / max_rows;
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kPanel * k * std::max<int64_t>(1, m)));
   const int64_t ahead = stream_prefetch();
   parallel_range(count, grain, [&](int64_t begin, int64_t end) {
     const uint8_t* fetch_end = ahead ? panels + end * stride : nullptr;
     if (ahead) prefetch_lines(panels + begin * stride, panels + begin * stride + ahead, fetch_end);
     for (int64_t p = begin; p < end; ++p)
-      for (int64_t t = 0, row0 = 0; t < tiles; ++t) {
-        const int rows = static_cast<int>((m - row0) / (tiles - t));
-        tile(rows, p, -1, row0, t == 0 ? fetch_end : nullptr, ahead);
-        row0 += rows;
-      }
+      split_rows(m, max_rows, [&](int64_t row0, int64_t rows) {
+        tile(static_cast<int>(rows), p, -1, row0, row0 == 0 ? fetch_end : nullptr, ahead);
+      });
   });
 }
 
@@ -400,26 +408,23 @@ void for_each_integer_tile(const uint8_t* panels, int64_t n, int64_t k, int64_t 
                          y + first * n, residual ? residual + first * n : nullptr, fetch_end, ahead};
     };
     if (q < 0) {  // one panel: a pass read as one stream, or a region's odd one out, in tiles
-      for (int tiles = (rows + MaxRows - 1) / MaxRows, t = 0, first = row0; t < tiles; ++t) {
-        const int count = (row0 + rows - first) / (tiles - t);
-        with_rows<MaxRows>(count, [&](auto r) {
-          tile(r, std::integral_constant<int, 1>{}, std::false_type{}, part(first, t == 0 ? fetch_end : nullptr, ahead));
+      split_rows(rows, MaxRows, [&](int64_t first, int64_t count) {
+        with_rows<MaxRows>(static_cast<int>(count), [&](auto r) {
+          tile(r, std::integral_constant<int, 1>{}, std::false_type{},
+               part(row0 + first, first == 0 ? fetch_end : nullptr, ahead));
         });
-        first += count;
-      }
+      });
     } else if (rows <= MaxPairRows) {  // two streams (fetched pair_prefetch() bytes ahead)
       with_rows<MaxPairRows>(rows, [&](auto r) {
         tile(r, std::integral_constant<int, 2>{}, std::false_type{}, part(row0, nullptr, ahead));
       });
     } else {
       alignas(64) float sums[2 * MaxBlockRows * 16];
-      const int64_t tiles = (rows + MaxPairRows - 1) / MaxPairRows;
       const int64_t block = std::max<int64_t>(1, kIntegerPairBlock / group_bytes);  // groups per block
       for (int64_t g0 = 0; g0 < groups; g0 += block) {
         const int64_t g1 = std::min(groups, g0 + block), line0 = (g0 * group_bytes + ahead) / 64,
                       lines = (g1 - g0) * group_bytes / 64;
-        for (int64_t t = 0, done = 0; t < tiles; ++t) {
-          const int64_t count = (rows - done) / (tiles - t);
+        split_rows(rows, MaxPairRows, [&](int64_t done, int64_t count) {
           IntegerTile it = part(row0 + done, nullptr, 0);
           it.sums = sums + 2 * 16 * done;
           it.g0 = g0, it.g1 = g1;
@@ -427,8 +432,7 @@ void for_each_integer_tile(const uint8_t* panels, int64_t n, int64_t k, int64_t 
           with_rows<MaxPairRows>(static_cast<int>(count), [&](auto r) {
             tile(r, std::integral_constant<int, 2>{}, std::true_type{}, it);
           });
-          done += count;
-        }
+        });
       }
     }
   });
@@ -1401,21 +1405,18 @@ void float_panel_pair(const uint8_t* pa, const uint8_t* pb, int64_t k, const flo
                       int64_t ldy, int64_t col_a, int64_t col_b, const float* bias, const float* residual,
                       int64_t ahead) {
   constexpr int L = P::kPerLine;
-  const int64_t groups = (m + kFloatPairRows - 1) / kFloatPairRows;
-  const int64_t block = groups == 1 ? k : kFloatPairBlock / 64 * L;  // inputs per block
+  const int64_t block = m <= kFloatPairRows ? k : kFloatPairBlock / 64 * L;  // inputs per block
   Lanes sums[kFloatPairMaxRows][8];
   for (int64_t r = 0; r < m; ++r)
     for (int i = 0; i < 8; ++i) sums[r][i] = lzero();
   for (int64_t k0 = 0; k0 < k; k0 += block) {
     const int64_t k1 = std::min(k, k0 + block), line0 = k0 / L + ahead / 64, lines = (k1 - k0) / L;
-    for (int64_t g = 0, row0 = 0; g < groups; ++g) {
-      const int64_t rows = (m - row0) / (groups - g);
+    split_rows(m, kFloatPairRows, [&](int64_t row0, int64_t rows) {
       const PairFetch fetch{line0 + lines * row0 / m, line0 + lines * (row0 + rows) / m, ahead != 0};
       with_rows<kFloatPairRows>(static_cast<int>(rows), [&](auto r) {
         float_pair_steps<P, decltype(r)::value>(pa, pb, k0, k1, x + row0 * k, k, sums + row0, fetch);
       });
-      row0 += rows;
-    }
+    });
   }
   const int64_t cols[2] = {col_a, col_b};
   for (int64_t r = 0; r < m; ++r)
@@ -1441,15 +1442,14 @@ void matmul_float_panels(const uint8_t* panels, int64_t n, int64_t k, const floa
     }
     // one panel: a tile of a pass read as one stream, or the odd one out of a region read as
     // pairs, whose rows may need more than one tile
-    for (int tiles = (rows + kFloatPanelRows - 1) / kFloatPanelRows, t = 0, first = row0; t < tiles; ++t) {
-      const int count = (row0 + rows - first) / (tiles - t);
-      with_rows<kFloatPanelRows>(count, [&](auto r) {
-        float_panel_tile<P, decltype(r)::value>(panels + p * stride, k, x + first * k, y + first * n, n,
-                                                p * kPanel, bias, residual ? residual + first * n : nullptr,
-                                                t == 0 ? fetch_end : nullptr, ahead);
+    split_rows(rows, kFloatPanelRows, [&](int64_t first, int64_t count) {
+      const int64_t r0 = row0 + first;
+      with_rows<kFloatPanelRows>(static_cast<int>(count), [&](auto r) {
+        float_panel_tile<P, decltype(r)::value>(panels + p * stride, k, x + r0 * k, y + r0 * n, n, p * kPanel,
+                                                bias, residual ? residual + r0 * n : nullptr,
+                                                first == 0 ? fetch_end : nullptr, ahead);
       });
-      first += count;
-    }
+    });
   });
 }
 
