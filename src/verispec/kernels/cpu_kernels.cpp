@@ -904,6 +904,7 @@ inline void store_i16(void* p, ILanes a, ILanes b) {
 inline ILanes imul_u8_pairs(ILanes u, ILanes s) { return {_mm512_maddubs_epi16(u.v, s.v)}; }
 // products of int16, each adjacent pair summed to int32
 inline ILanes imul_i16_pairs(ILanes a, ILanes b) { return {_mm512_madd_epi16(a.v, b.v)}; }
+inline void hold(ILanes& a) { asm("" : "+v"(a.v)); }  // see the AVX2 hold below
 #else  // AVX2 (the SIMD layer above refuses anything less)
 constexpr bool kWideLanes = false;
 struct Lanes { __m256 lo, hi; };
@@ -985,6 +986,12 @@ inline ILanes imul_u8_pairs(ILanes u, ILanes s) {
   return {_mm256_maddubs_epi16(u.lo, s.lo), _mm256_maddubs_epi16(u.hi, s.hi)};
 }
 inline ILanes imul_i16_pairs(ILanes a, ILanes b) { return {_mm256_madd_epi16(a.lo, b.lo), _mm256_madd_epi16(a.hi, b.hi)}; }
+// `a` kept in its registers at this point. Without VNNI the int4 tile's sums are chains of
+// 16-bit additions, which GCC reassociated: it took a group's products first, kept them on the
+// stack and added them up after (the one-row pair tile stored 38 registers there, now 8).
+// Held after each step, the tiles keep their chains; the int8 tile spilled more when held, so
+// it is left as GCC arranges it (benchmarks/NOTES.md has the timings).
+inline void hold(ILanes& a) { asm("" : "+x"(a.lo), "+x"(a.hi)); }
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -1167,6 +1174,7 @@ __attribute__((noinline)) void panel_tile(const IntegerTile& tile, int64_t group
             ILanes& a = sum[j * R + r][0];
             a = iadd16(a, imul_u8_pairs(lo, broadcast_dword(xg + 4 * t)));
             a = iadd16(a, imul_u8_pairs(hi, broadcast_dword(xg + 16 + 4 * t)));
+            hold(a);
           }
         }
       }
