@@ -269,9 +269,9 @@ void for_each_region_piece(int64_t count, int64_t stride, int64_t unit_panels, c
 // 1.63 / 1.83 one-row steps in int4; read as pairs 1.11 / 1.23 / 1.67 (int8: 1.23 / 1.37 /
 // 1.70 against 1.06 / 1.17 / 1.41); over 5 / 9 positions in bfloat16 1.63 / 2.14 against 1.24
 // / 1.70, in float32 1.45 / 1.78 against 1.03 / 1.31, and over 9 / 12 in int4 1.87 / 2.56
-// against 1.59 / 1.91; with the same bits (benchmarks/pair_rows.py, NOTES.md). On the AMD EPYCs pairs are fetched by the hardware alone, which
-// fell behind a stream of several rows when this layout was written, so there it stays at
-// one row until it is measured.
+// against 1.59 / 1.91; with the same bits (benchmarks/pair_rows.py, NOTES.md). On the AMD
+// EPYCs pairs are fetched by the hardware alone, which fell behind a stream of several rows
+// when this layout was written, so there it stays at one row until it is measured.
 int64_t default_pair_rows() {
   __builtin_cpu_init();
   return __builtin_cpu_is("intel") ? 16 : 1;
@@ -367,6 +367,17 @@ struct PairFetch {
   bool on;
 };
 
+// part(first, count, fetch) for the groups of at most max_rows (split_rows) that take turns
+// over one block of a pair: each group fetches its share of the next block's lines [line0,
+// line0 + lines), so that memory keeps streaming while the later groups read L1
+template <class Part>
+inline void for_each_block_group(int64_t rows, int64_t max_rows, int64_t line0, int64_t lines, bool fetch,
+                                 const Part& part) {
+  split_rows(rows, max_rows, [&](int64_t first, int64_t count) {
+    part(first, count, PairFetch{line0 + lines * first / rows, line0 + lines * (first + count) / rows, fetch});
+  });
+}
+
 // Where an integer panel tile reads and writes: its S panels (side by side) and their first
 // output columns, its first row, the output and residual from that row on, and how far ahead
 // it fetches its stream (fetch_end null: not at all). With `sums`, one block of a pair read in
@@ -422,13 +433,13 @@ void for_each_integer_tile(const uint8_t* panels, int64_t n, int64_t k, int64_t 
       alignas(64) float sums[2 * MaxBlockRows * 16];
       const int64_t block = std::max<int64_t>(1, kIntegerPairBlock / group_bytes);  // groups per block
       for (int64_t g0 = 0; g0 < groups; g0 += block) {
-        const int64_t g1 = std::min(groups, g0 + block), line0 = (g0 * group_bytes + ahead) / 64,
-                      lines = (g1 - g0) * group_bytes / 64;
-        split_rows(rows, MaxPairRows, [&](int64_t done, int64_t count) {
+        const int64_t g1 = std::min(groups, g0 + block);
+        for_each_block_group(rows, MaxPairRows, (g0 * group_bytes + ahead) / 64, (g1 - g0) * group_bytes / 64,
+                             ahead != 0, [&](int64_t done, int64_t count, PairFetch fetch) {
           IntegerTile it = part(row0 + done, nullptr, 0);
           it.sums = sums + 2 * 16 * done;
           it.g0 = g0, it.g1 = g1;
-          it.fetch = {line0 + lines * done / rows, line0 + lines * (done + count) / rows, ahead != 0};
+          it.fetch = fetch;
           with_rows<MaxPairRows>(static_cast<int>(count), [&](auto r) {
             tile(r, std::integral_constant<int, 2>{}, std::true_type{}, it);
           });
@@ -1418,9 +1429,9 @@ void float_panel_pair(const uint8_t* pa, const uint8_t* pb, int64_t k, const flo
   for (int64_t r = 0; r < m; ++r)
     for (int i = 0; i < 8; ++i) sums[r][i] = lzero();
   for (int64_t k0 = 0; k0 < k; k0 += block) {
-    const int64_t k1 = std::min(k, k0 + block), line0 = k0 / L + ahead / 64, lines = (k1 - k0) / L;
-    split_rows(m, kFloatPairRows, [&](int64_t row0, int64_t rows) {
-      const PairFetch fetch{line0 + lines * row0 / m, line0 + lines * (row0 + rows) / m, ahead != 0};
+    const int64_t k1 = std::min(k, k0 + block);
+    for_each_block_group(m, kFloatPairRows, k0 / L + ahead / 64, (k1 - k0) / L, ahead != 0,
+                         [&](int64_t row0, int64_t rows, PairFetch fetch) {
       with_rows<kFloatPairRows>(static_cast<int>(rows), [&](auto r) {
         float_pair_steps<P, decltype(r)::value>(pa, pb, k0, k1, x + row0 * k, k, sums + row0, fetch);
       });
