@@ -442,27 +442,32 @@ def test_one_row_products_read_by_region_give_the_rows_of_a_longer_pass():
 
 @needs_kernels
 def test_passes_read_as_pairs_of_panels_give_the_rows_of_single_steps():
-    """Passes of up to pair_rows() rows (as many as the format reads as pairs) read two panels
-    at a time, each thread's region as two streams (111 panels: an odd one out); float passes
-    of more rows than one tile holds go through blocks of the panels in groups of rows. Every
-    setting gives each row the bits of a one-row step, for every pass size up to beyond the
-    most rows read as pairs."""
+    """Passes of up to pair_rows(kind) rows (as many as the format reads as pairs) read two
+    panels at a time, each thread's region as two streams (111 panels: an odd one out); float
+    passes of more rows than one tile holds go through blocks of the panels in groups of rows.
+    Every setting gives each row the bits of a one-row step, for every pass size up to beyond
+    the most rows read as pairs, and each kind of panel keeps its own limit."""
     k = kernels.cpu_kernels()
     products, n = _products_of_111_panels(seed=21)
     x, residual = _rows(256, seed=23, count=17), torch.randn(17, n, generator=torch.Generator().manual_seed(24))
     singles = [torch.cat([product(x[i:i + 1], residual[i:i + 1]) for i in range(17)]) for product in products]
-    default = k.pair_rows()
+    defaults = {kind: k.pair_rows(kind) for kind in ("integer", "float")}
     try:
         for setting in (1, 2, 5, 8, 16, 100):
             k.set_pair_rows(setting)
             for product, single in zip(products, singles):
                 for m in range(2, 18):
                     assert torch.equal(product(x[:m], residual[:m].contiguous()), single[:m])
+        k.set_pair_rows(3, "integer")
+        assert (k.pair_rows("integer"), k.pair_rows("float")) == (3, 100)
         with pytest.raises(RuntimeError, match="at least 1"):
             k.set_pair_rows(0)
+        with pytest.raises(RuntimeError, match="'integer' or 'float'"):
+            k.set_pair_rows(4, "ints")
     finally:
-        k.set_pair_rows(default)
-    assert default in (1, 16)
+        for kind, rows in defaults.items():
+            k.set_pair_rows(rows, kind)
+    assert defaults in ({"integer": 1, "float": 1}, {"integer": 6, "float": 1}, {"integer": 16, "float": 16})
 
 
 # On an AVX2 processor the usual build is the AVX2 one, and the tests above already run it;

@@ -263,24 +263,39 @@ void for_each_region_piece(int64_t count, int64_t stride, int64_t unit_panels, c
 
 // Products of up to this many rows read their panels as a one-row product does, two streams
 // per thread fetched pair_prefetch() bytes ahead, where the format reads pairs with that many
-// rows (integers up to 8, floats up to 16), unless `set_pair_rows` changes it: on Intel
-// processors 16, elsewhere 1. On the Intel Xeon these kernels were measured on, one stream
+// rows (integers up to 8, floats up to 16), unless `set_pair_rows` changes it; integer and
+// float panels have a limit each. On the Intel Xeon these kernels were measured on, one stream
 // per thread fetched 20 KB ahead made passes of the 1.5B over 2 / 5 / 8 positions cost 1.49 /
 // 1.63 / 1.83 one-row steps in int4; read as pairs 1.11 / 1.23 / 1.67 (int8: 1.23 / 1.37 /
 // 1.70 against 1.06 / 1.17 / 1.41); over 5 / 9 positions in bfloat16 1.63 / 2.14 against 1.24
 // / 1.70, in float32 1.45 / 1.78 against 1.03 / 1.31, and over 9 / 12 in int4 1.87 / 2.56
-// against 1.59 / 1.91; with the same bits (benchmarks/pair_rows.py, NOTES.md). On the AMD
-// EPYCs pairs are fetched by the hardware alone, which fell behind a stream of several rows
-// when this layout was written, so there it stays at one row until it is measured.
-int64_t default_pair_rows() {
+// against 1.59 / 1.91; with the same bits (benchmarks/pair_rows.py, NOTES.md): 16 for both
+// there. The AMD EPYCs fetch pairs by the hardware alone. On the Zen 4 (family 19h with
+// AVX-512) integer passes of 2 to 6 rows read as pairs took 0.78-0.93x the time, of 7 and 8
+// rows 0.99-1.09x, and float passes 1.02-1.87x (benchmarks/stack_ab.py with
+// variants/pairs_on_every_processor.patch; variants/integer_pairs_of_one_row_on_zen4.patch
+// undoes this): integers up to 6 rows, floats 1. The other AMD processors are unmeasured
+// and stay at 1.
+enum class PanelKind { integer, floating };
+int64_t default_pair_rows(PanelKind kind) {
   __builtin_cpu_init();
-  return __builtin_cpu_is("intel") ? 16 : 1;
+  if (__builtin_cpu_is("intel")) return 16;
+  const bool zen4 = __builtin_cpu_is("amdfam19h") && __builtin_cpu_supports("avx512f");
+  return zen4 && kind == PanelKind::integer ? 6 : 1;
 }
-std::atomic<int64_t> g_pair_rows{default_pair_rows()};
-inline int64_t pair_rows() { return g_pair_rows.load(std::memory_order_relaxed); }
-void set_pair_rows(int64_t rows) {
+std::atomic<int64_t> g_pair_rows[2] = {default_pair_rows(PanelKind::integer), default_pair_rows(PanelKind::floating)};
+inline int64_t pair_rows(PanelKind kind) { return g_pair_rows[static_cast<int>(kind)].load(std::memory_order_relaxed); }
+
+PanelKind panel_kind(const std::string& name) {
+  TORCH_CHECK(name == "integer" || name == "float", "panel kind must be 'integer' or 'float', not '", name, "'");
+  return name == "integer" ? PanelKind::integer : PanelKind::floating;
+}
+int64_t pair_rows_of(const std::string& kind) { return pair_rows(panel_kind(kind)); }
+// kind: "integer", "float" or "all"
+void set_pair_rows(int64_t rows, const std::string& kind) {
   TORCH_CHECK(rows >= 1, "pair rows must be at least 1, not ", rows);
-  g_pair_rows.store(rows, std::memory_order_relaxed);
+  for (PanelKind each : {PanelKind::integer, PanelKind::floating})
+    if (kind == "all" || panel_kind(kind) == each) g_pair_rows[static_cast<int>(each)].store(rows, std::memory_order_relaxed);
 }
 
 // pair(p, q): each region read as two streams, its first half beside its second (q = -1
@@ -324,8 +339,8 @@ inline void split_rows(int64_t rows, int64_t max_rows, const Part& part) {
 // split into tiles of at most `max_rows` (split_rows). tile(rows, p, q, row0, fetch_end,
 // ahead) computes rows [row0, row0 + rows) of panel p, and of panel q too when q >= 0.
 //
-// A product of one row (a plain decoding step), or of up to min(pair_max_rows, pair_rows())
-// rows, reads one region per thread as two streams side by side (q >= 0), fetched
+// A product of one row (a plain decoding step), or of up to `pair_max_rows` rows (the
+// format's limit and pair_rows(kind), the caller's lower one), reads one region per thread as two streams side by side (q >= 0), fetched
 // pair_prefetch() bytes ahead (0: by the hardware alone), or with set_panel_streams(1) one
 // row reads one stream fetched `stream_prefetch()` bytes ahead. In the host's fast spells
 // two streams read bfloat16 panels at 80.0 GB/s against 71.8 as one, float32 at 83.8
@@ -334,8 +349,8 @@ inline void split_rows(int64_t rows, int64_t max_rows, const Part& part) {
 // shared counter, each piece a stream fetched ahead, and only each panel's first tile fetches.
 template <class Tile>
 void for_each_panel_tile(const uint8_t* panels, int64_t count, int64_t stride, int64_t k, int64_t m,
-                         int max_rows, int pair_max_rows, const Tile& tile) {
-  if (m <= std::min<int64_t>(pair_max_rows, pair_rows()) && panel_streams() == 2) {
+                         int max_rows, int64_t pair_max_rows, const Tile& tile) {
+  if (m <= pair_max_rows && panel_streams() == 2) {
     const int64_t ahead = pair_prefetch();
     for_each_panel_pair(count, stride, [&](int64_t p, int64_t q) { tile(static_cast<int>(m), p, q, 0, nullptr, ahead); });
     return;
@@ -412,7 +427,8 @@ template <int MaxRows, int MaxPairRows, int MaxBlockRows = 2 * MaxPairRows, clas
 void for_each_integer_tile(const uint8_t* panels, int64_t n, int64_t k, int64_t m, int64_t stride, float* y,
                            const float* residual, const Tile& tile) {
   const int64_t groups = k / kGroup, group_bytes = stride / groups;
-  for_each_panel_tile(panels, n / kPanel, stride, k, m, MaxRows, MaxBlockRows,
+  for_each_panel_tile(panels, n / kPanel, stride, k, m, MaxRows,
+                      std::min<int64_t>(MaxBlockRows, pair_rows(PanelKind::integer)),
                       [&](int rows, int64_t p, int64_t q, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
     const auto part = [&](int64_t first, const uint8_t* fetch_end, int64_t ahead) {
       return IntegerTile{{panels + p * stride, panels + q * stride}, {p * kPanel, q * kPanel}, first,
@@ -1452,7 +1468,8 @@ template <class P>
 void matmul_float_panels(const uint8_t* panels, int64_t n, int64_t k, const float* x, int64_t m, float* y,
                          const float* bias, const float* residual) {
   const int64_t stride = kPanel * k * 4 / P::kPerLine;
-  for_each_panel_tile(panels, n / kPanel, stride, k, m, kFloatPanelRows, kFloatPairMaxRows,
+  for_each_panel_tile(panels, n / kPanel, stride, k, m, kFloatPanelRows,
+                      std::min<int64_t>(kFloatPairMaxRows, pair_rows(PanelKind::floating)),
                       [&](int rows, int64_t p, int64_t q, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
     if (q >= 0) {  // two streams
       float_panel_pair<P>(panels + p * stride, panels + q * stride, k, x + row0 * k, rows, y + row0 * n, n,
@@ -2236,8 +2253,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "how many bytes ahead each of a product's two streams per thread is fetched in software (0: by the hardware alone)");
   m.def("pair_prefetch", &pair_prefetch, "how many bytes ahead a product's two streams per thread are fetched");
   m.def("set_pair_rows", &set_pair_rows, "products of up to this many rows read two streams per thread "
-        "(where the format has such tiles)");
-  m.def("pair_rows", &pair_rows, "up to how many rows a product reads two streams per thread");
+        "(where the format has such tiles), for 'integer' or 'float' panels or 'all'",
+        py::arg("rows"), py::arg("kind") = "all");
+  m.def("pair_rows", &pair_rows_of, "up to how many rows a product of 'integer' or 'float' panels reads two "
+        "streams per thread", py::arg("kind"));
   m.def("set_panel_streams", &set_panel_streams, "streams each thread reads side by side in few-row products (1 or 2)");
   m.def("panel_streams", &panel_streams, "streams each thread reads side by side in few-row products");
   m.def("stream_sum", &stream_sum, "sum of a float32 tensor, read once (with prefetch: `ahead` bytes ahead, "
