@@ -339,10 +339,11 @@ inline void split_rows(int64_t rows, int64_t max_rows, const Part& part) {
 // split into tiles of at most `max_rows` (split_rows). tile(rows, p, q, row0, fetch_end,
 // ahead) computes rows [row0, row0 + rows) of panel p, and of panel q too when q >= 0.
 //
-// A product of one row (a plain decoding step), or of up to `pair_max_rows` rows (the
-// format's limit and pair_rows(kind), the caller's lower one), reads one region per thread as two streams side by side (q >= 0), fetched
-// pair_prefetch() bytes ahead (0: by the hardware alone), or with set_panel_streams(1) one
-// row reads one stream fetched `stream_prefetch()` bytes ahead. In the host's fast spells
+// A product of one row (a plain decoding step), or of up to `pair_max_rows` rows (the lower
+// of the format's limit and pair_rows(kind), from the caller), reads one region per thread as
+// two streams side by side (q >= 0), fetched pair_prefetch() bytes ahead (0: by the hardware
+// alone), or with set_panel_streams(1) one row reads one stream fetched `stream_prefetch()`
+// bytes ahead. In the host's fast spells
 // two streams read bfloat16 panels at 80.0 GB/s against 71.8 as one, float32 at 83.8
 // against 78.9 (`benchmarks/weight_streams.py --formats bfloat16 float32 --rows 1 --streams
 // 1 2`). With more rows, each thread takes pieces of about an eighth of its share from a
