@@ -272,16 +272,17 @@ void for_each_region_piece(int64_t count, int64_t stride, int64_t unit_panels, c
 // against 1.59 / 1.91; with the same bits (benchmarks/pair_rows.py, NOTES.md): 16 for both
 // there. The AMD EPYCs fetch pairs by the hardware alone. On the Zen 4 (family 19h with
 // AVX-512) integer passes of 2 to 6 rows read as pairs took 0.78-0.93x the time, of 7 and 8
-// rows 0.99-1.09x, and float passes 1.02-1.87x (benchmarks/stack_ab.py with
-// variants/pairs_on_every_processor.patch; variants/integer_pairs_of_one_row_on_zen4.patch
-// undoes this): integers up to 6 rows, floats 1. The other AMD processors are unmeasured
-// and stay at 1.
+// rows 0.99-1.09x; float passes of 3 rows (one pair tile) 0.80-0.96x, of 5 and 9 rows (in
+// blocks) 1.02-1.87x (benchmarks/stack_ab.py with variants/pairs_on_every_processor.patch;
+// variants/integer_pairs_of_one_row_on_zen4.patch undoes the integers'): integers up to 6
+// rows, floats up to 3. The other AMD processors are unmeasured and stay at 1.
 enum class PanelKind { integer, floating };
 int64_t default_pair_rows(PanelKind kind) {
   __builtin_cpu_init();
   if (__builtin_cpu_is("intel")) return 16;
   const bool zen4 = __builtin_cpu_is("amdfam19h") && __builtin_cpu_supports("avx512f");
-  return zen4 && kind == PanelKind::integer ? 6 : 1;
+  if (!zen4) return 1;
+  return kind == PanelKind::integer ? 6 : 3;
 }
 std::atomic<int64_t> g_pair_rows[2] = {default_pair_rows(PanelKind::integer), default_pair_rows(PanelKind::floating)};
 inline int64_t pair_rows(PanelKind kind) { return g_pair_rows[static_cast<int>(kind)].load(std::memory_order_relaxed); }
