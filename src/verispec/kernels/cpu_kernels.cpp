@@ -340,19 +340,18 @@ inline void split_rows(int64_t rows, int64_t max_rows, const Part& part) {
 // split into tiles of at most `max_rows` (split_rows). tile(rows, p, q, row0, fetch_end,
 // ahead) computes rows [row0, row0 + rows) of panel p, and of panel q too when q >= 0.
 //
-// A product of one row (a plain decoding step), or of up to `pair_max_rows` rows (the lower
-// of the format's limit and pair_rows(kind), from the caller), reads one region per thread as
-// two streams side by side (q >= 0), fetched pair_prefetch() bytes ahead (0: by the hardware
-// alone), or with set_panel_streams(1) one row reads one stream fetched `stream_prefetch()`
-// bytes ahead. In the host's fast spells
-// two streams read bfloat16 panels at 80.0 GB/s against 71.8 as one, float32 at 83.8
-// against 78.9 (`benchmarks/weight_streams.py --formats bfloat16 float32 --rows 1 --streams
-// 1 2`). With more rows, each thread takes pieces of about an eighth of its share from a
+// A product of one row (a plain decoding step), or of up to min(pair_max_rows,
+// pair_rows(kind)) rows, reads one region per thread as two streams side by side (q >= 0),
+// fetched pair_prefetch() bytes ahead (0: by the hardware alone), or with
+// set_panel_streams(1) one row reads one stream fetched `stream_prefetch()` bytes ahead. In
+// the host's fast spells two streams read bfloat16 panels at 80.0 GB/s against 71.8 as one,
+// float32 at 83.8 against 78.9 (`benchmarks/weight_streams.py --formats bfloat16 float32
+// --rows 1 --streams 1 2`). With more rows, each thread takes pieces of about an eighth of its share from a
 // shared counter, each piece a stream fetched ahead, and only each panel's first tile fetches.
 template <class Tile>
 void for_each_panel_tile(const uint8_t* panels, int64_t count, int64_t stride, int64_t k, int64_t m,
-                         int max_rows, int64_t pair_max_rows, const Tile& tile) {
-  if (m <= pair_max_rows && panel_streams() == 2) {
+                         int max_rows, int pair_max_rows, PanelKind kind, const Tile& tile) {
+  if (m <= std::min<int64_t>(pair_max_rows, pair_rows(kind)) && panel_streams() == 2) {
     const int64_t ahead = pair_prefetch();
     for_each_panel_pair(count, stride, [&](int64_t p, int64_t q) { tile(static_cast<int>(m), p, q, 0, nullptr, ahead); });
     return;
@@ -429,8 +428,7 @@ template <int MaxRows, int MaxPairRows, int MaxBlockRows = 2 * MaxPairRows, clas
 void for_each_integer_tile(const uint8_t* panels, int64_t n, int64_t k, int64_t m, int64_t stride, float* y,
                            const float* residual, const Tile& tile) {
   const int64_t groups = k / kGroup, group_bytes = stride / groups;
-  for_each_panel_tile(panels, n / kPanel, stride, k, m, MaxRows,
-                      std::min<int64_t>(MaxBlockRows, pair_rows(PanelKind::integer)),
+  for_each_panel_tile(panels, n / kPanel, stride, k, m, MaxRows, MaxBlockRows, PanelKind::integer,
                       [&](int rows, int64_t p, int64_t q, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
     const auto part = [&](int64_t first, const uint8_t* fetch_end, int64_t ahead) {
       return IntegerTile{{panels + p * stride, panels + q * stride}, {p * kPanel, q * kPanel}, first,
@@ -1470,8 +1468,7 @@ template <class P>
 void matmul_float_panels(const uint8_t* panels, int64_t n, int64_t k, const float* x, int64_t m, float* y,
                          const float* bias, const float* residual) {
   const int64_t stride = kPanel * k * 4 / P::kPerLine;
-  for_each_panel_tile(panels, n / kPanel, stride, k, m, kFloatPanelRows,
-                      std::min<int64_t>(kFloatPairMaxRows, pair_rows(PanelKind::floating)),
+  for_each_panel_tile(panels, n / kPanel, stride, k, m, kFloatPanelRows, kFloatPairMaxRows, PanelKind::floating,
                       [&](int rows, int64_t p, int64_t q, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
     if (q >= 0) {  // two streams
       float_panel_pair<P>(panels + p * stride, panels + q * stride, k, x + row0 * k, rows, y + row0 * n, n,
