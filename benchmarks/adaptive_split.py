@@ -14,15 +14,17 @@ loss lies in one of four places, which this script times apart for each request:
 and compares them with what the same tokens cost plain decoding (its forward passes, timed
 the same way in plain runs of the same prompt just before and after). `gain` is the tokens
 the speculative rounds produced times the plain pass, less what those rounds cost (verify +
-draft); `steps+` is what the plain steps cost beyond the plain runs' passes. Every --adaptive
-output must equal the plain output (VALID).
+draft); `steps+` is what the plain steps cost beyond the plain runs' passes; `near` and `far`
+are a plain step's mean within 3 steps after a speculative round and elsewhere, against
+`pass`, the plain runs' step. Every --adaptive output must equal the plain output (VALID).
 
 With --variants, each prompt is decoded with --adaptive in several ways between the same two
 plain runs: `current` (the engine as it is), and two trials the engine does not carry:
 `first-look` (the draft reads only the last FIRST_LOOK positions before drafting until the
 target keeps one of its drafts, then the last READY_LAG afresh: a failed probe costs a short
-pass) and `light-prior` (the policy's prior on α worth one round, not two: after a first
-round whose drafts were all rejected, α = 0.3 instead of 0.4).
+pass), `light-prior` (the policy's prior on α worth one round, not two: after a first
+round whose drafts were all rejected, α = 0.3 instead of 0.4) and `short-window` (the draft
+reads at most the last SHORT_WINDOW positions when it catches up, not READY_LAG).
 """
 
 from __future__ import annotations
@@ -117,19 +119,24 @@ class FirstLookProposer(ReadingProposer):
         super().commit(length)
 
 
+SHORT_WINDOW = 16
+
+
 @contextmanager
 def policy(variant: str):
-    """The γ policy generate() makes: as it is, or with the `light-prior` trial's prior."""
+    """generate() as it is, or with the `light-prior` trial's prior or the `short-window` trial's window."""
     import verispec.generate as generation
     from verispec.spec.gamma import CostAwareGamma
 
-    saved = generation.make_policy
+    saved = generation.make_policy, generation.READY_LAG
     if variant == "light-prior":
         generation.make_policy = lambda gamma, adaptive: CostAwareGamma(max_gamma=max(gamma, 16), prior_weight=1.0)
+    if variant == "short-window":
+        generation.READY_LAG = SHORT_WINDOW
     try:
         yield
     finally:
-        generation.make_policy = saved
+        generation.make_policy, generation.READY_LAG = saved
 
 
 def timed_run(target, prompt: str, **options):
@@ -167,7 +174,26 @@ def split(plain_runs: list, run, passes: list, proposer: ReadingProposer) -> dic
         - record["catch_up_s"]
     record["gain_s"] = spec_tokens * plain_pass_s - record["verify_s"] - record["draft_s"]
     record["plain_extra_s"] = record["plain_rounds_s"] - len(plain_steps) * plain_pass_s
+    record["near_ms"], record["far_ms"] = (1e3 * s for s in steps_near_and_far(passes, gammas))
+    record["verify_ms"] = [round(1e3 * s, 1) for s in verify]
     return record
+
+
+NEAR = 3  # plain steps this close after a speculative round count as `near` it
+
+
+def steps_near_and_far(passes: list, gammas: list) -> tuple[float, float]:
+    """Mean seconds of the plain steps within NEAR steps after a speculative round, and of the
+    others (before the first round, or further from one): does a probe leave steps slower?"""
+    near, far, since = [], [], None
+    for (_, seconds), gamma in zip(passes, gammas):
+        if gamma > 0:
+            since = 0
+            continue
+        (near if since is not None and since < NEAR else far).append(seconds)
+        since = None if since is None else since + 1
+    mean = lambda values: sum(values) / len(values) if values else float("nan")  # noqa: E731
+    return mean(near), mean(far)
 
 
 def requests(target, draft, prompt: str, tokens: int, gamma: int, variants: list[str]) -> dict[str, dict]:
@@ -193,7 +219,7 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--gamma", type=int, default=8, help="the γ passed with --adaptive (as speedup.py)")
-    parser.add_argument("--variants", nargs="+", default=["current"], choices=["current", "first-look", "light-prior"])
+    parser.add_argument("--variants", nargs="+", default=["current"], choices=["current", "first-look", "light-prior", "short-window"])
     parser.add_argument("--out", default="adaptive_split")
     args = parser.parse_args()
 
@@ -204,7 +230,8 @@ def main() -> int:
     ms = lambda s: f"{1e3 * s:6.0f}"  # noqa: E731
     print(f"  {'category':>14} {'variant':>7} {'prompt':>6} {'out':>4} {'ratio':>6} | {'plain':>6} | "
           f"{'steps':>11} {'spec rounds':>12} {'verify':>6} {'draft':>6} {'catch-up':>13} {'other':>6} | "
-          f"{'gain':>6} {'steps+':>6}  (ms; kept/drafted; catch-ups x positions read)")
+          f"{'gain':>6} {'steps+':>6} | {'near':>5} {'far':>5} {'pass':>5}  (ms; kept/drafted; catch-ups x "
+          f"positions read; a plain step's mean near a speculative round, far from one, in plain runs)")
     for category in args.categories:
         for prompt in load_prompts(f"spec-bench:{category}", limit=args.prompts):
             for name, r in requests(target, draft, prompt.text, args.tokens, args.gamma, args.variants).items():
@@ -214,7 +241,8 @@ def main() -> int:
                       f"{ms(r['plain_s'])} | {r['plain_rounds']:>4} {ms(r['plain_rounds_s'])} {r['spec_rounds']:>4} "
                       f"{r['accepted']:>3}/{r['drafted']:<3} {ms(r['verify_s'])} {ms(r['draft_s'])} "
                       f"{r['catch_ups']:>2}x{r['catch_up_read']:>4} {ms(r['catch_up_s'])} {ms(r['other_s'])} | "
-                      f"{ms(r['gain_s'])} {ms(r['plain_extra_s'])}  {'VALID' if r['valid'] else 'INVALID'}")
+                      f"{ms(r['gain_s'])} {ms(r['plain_extra_s'])} | {r['near_ms']:5.1f} {r['far_ms']:5.1f} "
+                      f"{1e3 * r['plain_pass_s']:5.1f}  {'VALID' if r['valid'] else 'INVALID'}")
     for category in args.categories:
         for name in args.variants:
             rows = [r for r in record["requests"] if r["category"] == category and r["variant"] == name]
