@@ -8,6 +8,13 @@ must be identical token for token (VALID), else the run is INVALID and its speed
 Plain and speculative runs of a prompt follow each other, so a change in machine load hits
 both. Speed-up = plain decoding time / speculative decoding time over the same tokens
 (prefill excluded from both; the draft's own prefill is counted against speculation).
+
+On a host whose memory moves between slow and fast spells within seconds, three prompts per
+category leave target 5's ratios several percent apart from run to run; --adaptive-repeats N
+decodes each prompt N times with --adaptive, each between two plain runs, and
+--adaptive-categories checks only the categories named:
+
+    python benchmarks/speedup.py --skip-sweep --adaptive-categories qa translation --adaptive-repeats 3
 """
 
 from __future__ import annotations
@@ -46,17 +53,21 @@ def sweep(target, draft, prompts, gammas, tokens):
                 "acceptance": t[3] / t[4] if t[4] else 0.0} for g, t in totals.items()}
 
 
-def adaptive_ratios(target, draft, prompts, tokens, gamma):
-    """Per category: plain seconds / adaptive speculative seconds, and whether all were VALID."""
+def adaptive_ratios(target, draft, prompts, tokens, gamma, repeats: int = 1):
+    """Per category: plain seconds / adaptive speculative seconds, and whether all were VALID.
+    Each prompt: plain, then `repeats` times --adaptive and plain again, each --adaptive run
+    against the mean of the plain runs on either side of it."""
     per_category: dict[str, list] = {}
     for prompt in prompts:
         before = run(target, prompt.text, tokens)
-        spec = run(target, prompt.text, tokens, draft=draft, gamma=gamma, adaptive="cost")
-        after = run(target, prompt.text, tokens)  # plain on both sides: load drift hits both alike
-        entry = per_category.setdefault(prompt.category, [0.0, 0.0, True])
-        entry[0] += (before.timings.decode_s + after.timings.decode_s) / 2
-        entry[1] += spec.timings.decode_s
-        entry[2] &= spec.token_ids == before.token_ids == after.token_ids
+        for _ in range(repeats):
+            spec = run(target, prompt.text, tokens, draft=draft, gamma=gamma, adaptive="cost")
+            after = run(target, prompt.text, tokens)  # plain on both sides: load drift hits both alike
+            entry = per_category.setdefault(prompt.category, [0.0, 0.0, True])
+            entry[0] += (before.timings.decode_s + after.timings.decode_s) / 2
+            entry[1] += spec.timings.decode_s
+            entry[2] &= spec.token_ids == before.token_ids == after.token_ids
+            before = after
     return {c: {"plain_s": e[0], "spec_s": e[1], "ratio": e[0] / e[1], "valid": e[2]}
             for c, e in per_category.items()}
 
@@ -71,6 +82,10 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=None, help="prompts per category")
     parser.add_argument("--tokens", type=int, default=None)
     parser.add_argument("--adaptive-prompts", type=int, default=3, help="prompts per category for the --adaptive check")
+    parser.add_argument("--adaptive-repeats", type=int, default=1,
+                        help="--adaptive runs per prompt, each between two plain runs")
+    parser.add_argument("--adaptive-categories", nargs="+", default=None,
+                        help="categories for the --adaptive check (default: all of Spec-Bench's)")
     parser.add_argument("--skip-adaptive", action="store_true")
     parser.add_argument("--skip-sweep", action="store_true", help="only the --adaptive check (target 5)")
     parser.add_argument("--quick", action="store_true")
@@ -103,8 +118,10 @@ def main() -> int:
         categories = ["coding", "translation", "qa"] if args.quick else None
         source = "spec-bench:" + ",".join(categories) if categories else "spec-bench"
         prompts = load_prompts(source, limit=1 if args.quick else 2) if categories else [
-            p for c in _categories() for p in load_prompts(f"spec-bench:{c}", limit=args.adaptive_prompts)]
-        ratios = adaptive_ratios(target, draft, prompts, tokens, gamma=max(gammas))
+            p for c in args.adaptive_categories or _categories()
+            for p in load_prompts(f"spec-bench:{c}", limit=args.adaptive_prompts)]
+        ratios = adaptive_ratios(target, draft, prompts, tokens, gamma=max(gammas), repeats=args.adaptive_repeats)
+        record.update(adaptive_repeats=args.adaptive_repeats)
         record["adaptive"] = ratios
         worst = min(ratios.items(), key=lambda item: item[1]["ratio"])
         for category, r in sorted(ratios.items()):

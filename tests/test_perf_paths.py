@@ -1004,13 +1004,23 @@ def test_adaptive_split_accounts_for_every_pass_and_its_trials_keep_the_output(f
     adaptive_split = importlib.import_module("adaptive_split")
     target = load_model(folder)
     prompt = "the cat sat on the mat. " * 4  # longer than READY_LAG tokens
-    records = adaptive_split.requests(target, target, prompt, 30, 4, ["current", "first-look", "light-prior"])
+    records = adaptive_split.requests(target, target, prompt, 30, 4,
+                                      ["current", "first-look", "light-prior", "short-window"])
     for name, r in records.items():
         assert r["valid"], name
         assert r["spec_rounds"] >= 1, name  # the first probe, at least
         assert r["plain_rounds"] + r["spec_rounds"] <= r["tokens"] - 1 <= r["plain_rounds"] + r["spec_tokens"], name
         assert r["other_s"] >= 0 and r["catch_ups"] >= 1, name
     assert records["current"]["catch_up_read"] == READY_LAG - 1  # all but the token its first draft step feeds
+    assert records["short-window"]["catch_up_read"] == adaptive_split.SHORT_WINDOW - 1
+    import verispec.generate
+    assert verispec.generate.READY_LAG == READY_LAG  # the trial's window does not outlive it
+
+    # plain steps within NEAR steps after a speculative round are `near`, the rest `far`
+    passes = [(1, 1.0), (3, 9.0), (1, 2.0), (1, 2.0), (1, 2.0), (1, 4.0), (5, 9.0), (1, 6.0)]
+    gammas = [0, 2, 0, 0, 0, 0, 4, 0]
+    assert adaptive_split.NEAR == 3
+    assert adaptive_split.steps_near_and_far(passes, gammas) == (3.0, 2.5)
 
     # first-look reads FIRST_LOOK positions, and once a draft is kept the last READY_LAG afresh
     proposer = adaptive_split.FirstLookProposer(DraftModelProposer(target))
@@ -1024,3 +1034,26 @@ def test_adaptive_split_accounts_for_every_pass_and_its_trials_keep_the_output(f
     assert proposer.lag(context) > 2  # generate() catches up before the next round
     proposer.catch_up(context, READY_LAG)
     assert proposer.catch_ups[-1][1] == READY_LAG - 1 and proposer.inner.offset == len(context) - READY_LAG
+
+
+def test_speedup_repeats_each_adaptive_run_between_two_plain_runs(folder, monkeypatch):
+    """benchmarks/speedup.py --adaptive-repeats N: plain, then N times --adaptive and plain,
+    every --adaptive run timed against the plain runs on either side of it."""
+    import importlib
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    speedup = importlib.import_module("speedup")
+    target = load_model(folder)
+    runs, real_run = [], speedup.run
+
+    def counted_run(model, prompt, tokens, **options):
+        runs.append("adaptive" if options.get("adaptive") else "plain")
+        return real_run(model, prompt, tokens, **options)
+
+    monkeypatch.setattr(speedup, "run", counted_run)
+    prompts = [SimpleNamespace(text="the cat sat on the mat.", category="tiny")]
+    ratios = speedup.adaptive_ratios(target, target, prompts, 12, 4, repeats=3)
+    assert runs == ["plain", "adaptive", "plain", "adaptive", "plain", "adaptive", "plain"]
+    assert set(ratios) == {"tiny"} and ratios["tiny"]["valid"]
+    assert ratios["tiny"]["plain_s"] > 0 and ratios["tiny"]["ratio"] == ratios["tiny"]["plain_s"] / ratios["tiny"]["spec_s"]
