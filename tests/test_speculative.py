@@ -262,6 +262,21 @@ def test_cost_aware_policy_falls_back_and_probes_ever_more_rarely():
     assert gaps == sorted(gaps)  # backing off
 
 
+def test_cost_aware_policy_prices_a_draft_step_not_a_draft_token():
+    """A round whose first draft came from the pass that read the context took one draft step
+    fewer than its drafts: the policy's cost of a draft step is its time over the steps taken,
+    and a round that took none leaves the estimate as it was."""
+    from verispec.spec.gamma import CostAwareGamma
+
+    policy = CostAwareGamma()
+    policy.update(2, 0, 0.008, 0.013, draft_steps=1)  # two drafts, one step of 8 ms
+    assert policy.draft_step_s == 0.008
+    policy.update(1, 1, 0.0001, 0.011, draft_steps=0)  # one draft, no step: says nothing of its cost
+    assert policy.draft_step_s == 0.008
+    policy.update(2, 2, 0.016, 0.013)  # one step per draft unless told
+    assert policy.draft_step_s == pytest.approx(0.008)
+
+
 def test_adaptive_draft_stops_reading_when_speculation_does_not_pay(target, unrelated):
     """With drafts that are always wrong, --adaptive decodes plainly and the draft reads only
     the recent context before its rare probes, not every token."""
@@ -301,6 +316,51 @@ def test_adaptive_reports_the_drafts_reading_of_skipped_context_apart(target, un
     assert decoding_summary(lazy, "draft")["catch_up_s"] == round(lazy.spec.catch_up_s, 4)
     eager = generate(target, PROMPT, draft=draft(), gamma=4, max_tokens=40, ignore_eos=True)
     assert eager.spec.catch_up_s == 0 and eager.spec.draft_s > 0
+
+
+def test_the_first_draft_after_catching_up_comes_from_the_catch_up_pass(target):
+    """catch_up reads the whole unread context in one pass and keeps its last position's
+    logits: the first draft costs no pass of its own, and the drafts are those of a draft
+    that read the last token in a pass of its own (the panels' rows do not depend on the
+    pass's size). Where nothing is left for it, propose reads the last token again."""
+    from verispec.sampling import SamplingParams
+    from verispec.spec.draft_model import DraftModelProposer
+
+    context = target.tokenizer.encode(PROMPT)
+    calls = []
+
+    class Counting:
+        def __init__(self, model):
+            self.model = model
+
+        def __call__(self, ids, cache, **options):
+            calls.append(ids.shape[1])
+            return self.model(ids, cache, **options)
+
+        def __getattr__(self, name):
+            return getattr(self.model, name)
+
+    merged = DraftModelProposer(target)
+    merged.model = Counting(merged.model)
+    merged.start(context, len(context) + 8, prefill=False)
+    merged.catch_up(context, window=6)
+    assert calls == [6] and merged.lag(context) == 0 and merged.offset == len(context) - 6
+    proposal = merged.propose(context, 3, SamplingParams(), None)
+    drafts = proposal.tokens
+    assert calls == [6, 1, 1] and proposal.steps == 2  # drafts 2 and 3; the first came from the catch-up pass
+
+    apart = DraftModelProposer(target)
+    apart.start(context, len(context) + 8, prefill=False)
+    apart.offset = len(context) - 6
+    apart.model(torch.tensor([context[-6:-1]]), apart.cache, last_only=True)
+    assert apart.propose(context, 3, SamplingParams(), None).tokens == drafts
+
+    merged.commit(len(context))  # all three drafts rejected: the cache holds the context again
+    assert merged.lag(context) == 0 and merged.ready is None
+    calls.clear()
+    again = merged.propose(context, 3, SamplingParams(), None)
+    assert again.tokens == drafts and again.steps is None
+    assert calls == [1, 1, 1]  # the last token read again
 
 
 def _scan_lookup(context: list[int], gamma: int, max_ngram: int, min_ngram: int) -> list[int]:

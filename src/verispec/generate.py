@@ -261,7 +261,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
         remaining = max_tokens - len(out_ids)
         g = min(policy.choose(), remaining - 1, max_len - len(context) - 1) if proposer else 0
         g = max(g, 0)
-        drafts, draft_probs, draft_s = [], None, 0.0
+        drafts, draft_probs, draft_s, draft_steps = [], None, 0.0, None
         if g > 0 and lazy and proposer.lag(context) > 2:
             t0 = time.perf_counter()  # drafting time, but not the cost of drafts the policy weighs
             proposer.catch_up(context, READY_LAG)
@@ -272,7 +272,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
             t0 = time.perf_counter()
             proposal = proposer.propose(context, g, params, generator)
             draft_s = time.perf_counter() - t0
-            drafts, draft_probs = proposal.tokens[:g], proposal.probs
+            drafts, draft_probs, draft_steps = proposal.tokens[:g], proposal.probs, proposal.steps
         t0 = time.perf_counter()
         feed = torch.tensor([[context[-1], *drafts]], device=device)
         logits = model(feed, cache)[0]
@@ -287,7 +287,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
         verify_s = time.perf_counter() - t0
         stats.draft_s += draft_s
         stats.verify_s += verify_s
-        policy.update(len(drafts), verdict.accepted, draft_s, verify_s)
+        policy.update(len(drafts), verdict.accepted, draft_s, verify_s, draft_steps)
 
         new = verdict.tokens(drafts)
         last_kind = "target" if not drafts else ("bonus" if verdict.bonus else "recovered")

@@ -42,6 +42,8 @@ class DraftModelProposer:
         self.name = name or loaded.name
         self.cache = None
         self.offset = 0  # context tokens before the draft's cache starts, never read
+        # (context length, logits) that catch_up left for the first draft of the next round
+        self.ready: tuple[int, torch.Tensor] | None = None
         self.device = loaded.device
 
     @torch.inference_mode()
@@ -49,7 +51,7 @@ class DraftModelProposer:
         """Prefill the prompt, so that the first round pays only for drafting. Without
         `prefill` the draft reads the prompt later, in its first round or through `catch_up`."""
         self.cache = self.model.new_cache(max_len)
-        self.offset = 0
+        self.offset, self.ready = 0, None
         if prefill and self._readable(prompt_ids):
             self.model(torch.tensor([prompt_ids], device=self.device), self.cache, last_only=True, **self.outputs)
 
@@ -59,30 +61,40 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def catch_up(self, context: list[int], window: int) -> None:
-        """Read the context not read yet, all but its last token (which `propose` feeds) and at
-        most `window` tokens: further behind, the draft forgets what it read and starts over
-        on the last `window` tokens. Rotary positions are relative, so it continues the
-        recent text as it would in the full one, only without the older context; the
-        target's verification keeps the output exact either way."""
+        """Read the context not read yet, at most `window` tokens: further behind, the draft
+        forgets what it read and starts over on the last `window` tokens. Rotary positions are
+        relative, so it continues the recent text as it would in the full one, only without
+        the older context; the target's verification keeps the output exact either way. The
+        last position's logits are kept for the next round's first draft, which then costs
+        no pass of its own (a one-position pass reads all the draft's weights; one more row in
+        this pass costs only its arithmetic)."""
         if self.lag(context) > window:
             self.offset = max(0, len(context) - window)
             self.cache.rollback(0)
-        start, end = self.offset + self.cache.length, len(context) - 1
+        start, end = self.offset + self.cache.length, len(context)
+        self.ready = None
         if end > start and self._readable(context[start:end]):
             feed = torch.tensor([context[start:end]], device=self.device)
-            self.model(feed, self.cache, last_only=True, **self.outputs)
+            self.ready = (end, self.model(feed, self.cache, last_only=True, **self.outputs)[0, -1])
 
     @torch.inference_mode()
     def propose(self, context: list[int], gamma: int, params: SamplingParams,
                 generator: torch.Generator | None) -> Proposal:
         pending = context[self.offset + self.cache.length:]
+        ready, self.ready = self.ready, None
+        if not pending and (ready is None or ready[0] != len(context)):
+            self.cache.rollback(self.cache.length - 1)  # read the last token again, for its logits
+            pending = context[-1:]
         if not self._readable(pending):
             return Proposal([], None)  # a plain round: the target decodes on its own
-        feed = torch.tensor([pending], device=self.device)
+        feed = torch.tensor([pending], device=self.device) if pending else None
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for i in range(gamma):
-            logits = self.model(feed, self.cache, last_only=True, **self.outputs)[0, -1]
+            if feed is None:  # the first draft, from the logits catch_up left
+                logits = ready[1]
+            else:
+                logits = self.model(feed, self.cache, last_only=True, **self.outputs)[0, -1]
             if params.greedy:
                 token = greedy_token(logits)
             else:
@@ -92,7 +104,7 @@ class DraftModelProposer:
             tokens.append(token)
             if i + 1 < gamma:
                 feed = torch.tensor([[token]], device=self.device)
-        return Proposal(tokens, torch.stack(rows) if rows else None)
+        return Proposal(tokens, torch.stack(rows) if rows else None, steps=gamma - 1 if pending == [] else None)
 
     def _readable(self, ids: list[int]) -> bool:
         return all(i < self.rows for i in ids)

@@ -30,7 +30,7 @@ class FixedGamma:
     def choose(self) -> int:
         return self.gamma
 
-    def update(self, gamma: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def update(self, gamma: int, accepted: int, draft_s: float, verify_s: float, draft_steps: int | None = None) -> None:
         pass
 
 
@@ -43,7 +43,7 @@ class HeuristicGamma:
     def choose(self) -> int:
         return self.gamma
 
-    def update(self, gamma: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def update(self, gamma: int, accepted: int, draft_s: float, verify_s: float, draft_steps: int | None = None) -> None:
         if gamma == 0:
             return
         step = 2 if accepted == gamma else -1
@@ -121,11 +121,14 @@ class CostAwareGamma:
     def _blend(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
-    def update(self, gamma: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def update(self, gamma: int, accepted: int, draft_s: float, verify_s: float, draft_steps: int | None = None) -> None:
+        """One round: γ drafts that took `draft_steps` draft steps (γ unless given), `accepted` kept."""
         self.verify_s[gamma + 1] = self._blend(self.verify_s.get(gamma + 1), verify_s)
         if gamma == 0:
             return
-        self.draft_step_s = self._blend(self.draft_step_s, draft_s / gamma)
+        steps = gamma if draft_steps is None else draft_steps
+        if steps > 0:  # a step's cost, not a token's: a first draft that came free says nothing of it
+            self.draft_step_s = self._blend(self.draft_step_s, draft_s / steps)
         self.kept = self.decay * self.kept + accepted
         self.rejected = self.decay * self.rejected + (1 if accepted < gamma else 0)
 

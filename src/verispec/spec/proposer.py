@@ -16,6 +16,9 @@ class Proposal:
     # the draft's probabilities [len(tokens), vocab] after the same warping as the target;
     # None means a one-hot draft (a proposer that has no distribution, such as n-gram lookup)
     probs: torch.Tensor | None = None
+    # the draft steps (forward passes) it took, where not one per token: a draft model's first
+    # token may come from the pass that read the context before it
+    steps: int | None = None
 
 
 class Proposer(Protocol):
