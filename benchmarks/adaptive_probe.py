@@ -2,6 +2,7 @@
 
     python benchmarks/adaptive_probe.py                          # coding and translation, 32 / 16 / 8 positions
     python benchmarks/adaptive_probe.py --categories qa --lags 32 8 --prompts 5
+    python benchmarks/adaptive_probe.py --draft-side      # the draft's part of a probe, two ways
 
 With --adaptive a draft model reads the context only when it is about to draft, and then no
 more than its last READY_LAG positions (verispec.generate). Its first probe therefore costs a
@@ -11,16 +12,53 @@ the draft see less of the question. For each prompt: a plain run, one --adaptive
 lag, another plain run (load drift hits both sides alike); every --adaptive output must
 equal the plain output. Per category and lag: plain seconds / adaptive seconds, and the
 drafted and accepted tokens.
+
+With --draft-side, only the draft's part of a first probe (reading the last READY_LAG
+positions, then γ = 2 drafts) is timed, on each prompt in turn two ways: as the engine does it,
+the pass that reads the context giving the first draft too, and `apart`, that pass stopping a
+token short and the first draft step reading the last token on its own, as the engine did
+before. Both must give the same drafts.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 
 from perf_common import add_pair_arguments, load_pair, save, verdict
+
+
+def draft_side(draft, prompts, rounds: int, lag: int) -> dict:
+    """Seconds of the draft's part of a first probe, the first draft from the reading pass
+    (`merged`) or from a pass of its own (`apart`), in turn on each prompt."""
+    from verispec.generate import encode_prompt
+    from verispec.sampling import SamplingParams
+    from verispec.spec.draft_model import DraftModelProposer
+
+    times: dict[str, list[float]] = {"merged": [], "apart": []}
+    same = True
+    for prompt in prompts:
+        context = encode_prompt(draft.tokenizer, prompt.text, True)
+        for _ in range(rounds):
+            drafts = {}
+            for way in times:
+                proposer = DraftModelProposer(draft)
+                proposer.start(context, len(context) + 8, prefill=False)
+                started = time.perf_counter()
+                if way == "merged":
+                    proposer.catch_up(context, lag)
+                else:
+                    proposer.catch_up(context[:-1], lag - 1)
+                drafts[way] = proposer.propose(context, 2, SamplingParams(), None).tokens
+                times[way].append(time.perf_counter() - started)
+            same &= drafts["merged"] == drafts["apart"]
+    ratios = [a / m for a, m in zip(times["apart"], times["merged"])]
+    return {"merged_ms": 1e3 * statistics.median(times["merged"]), "apart_ms": 1e3 * statistics.median(times["apart"]),
+            "ratio": statistics.median(ratios), "pairs": len(ratios), "same_drafts": same}
 
 
 def main() -> int:
@@ -31,7 +69,11 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--gamma", type=int, default=8, help="the largest γ --adaptive may choose (as speedup.py)")
+    parser.add_argument("--draft-side", action="store_true", help="time only the draft's part of a probe, two ways")
+    parser.add_argument("--rounds", type=int, default=10, help="with --draft-side: rounds per prompt")
     args = parser.parse_args()
+    if args.draft_side:
+        return draft_side_main(args)
 
     import verispec.generate as generation
     from verispec.lab.prompts import load_prompts
@@ -70,6 +112,24 @@ def main() -> int:
     finally:
         generation.READY_LAG = default_lag
     save("adaptive_probe", record)
+    return 0
+
+
+def draft_side_main(args) -> int:
+    import verispec.generate as generation
+    from verispec.lab.prompts import load_prompts
+
+    _, draft, record = load_pair(args, "the draft's part of --adaptive's first probe", f"{args.rounds} rounds a prompt")
+    record.update(lag=generation.READY_LAG, categories={})
+    for category in args.categories:
+        prompts = load_prompts(f"spec-bench:{category}", limit=args.prompts)
+        r = draft_side(draft, prompts, args.rounds, generation.READY_LAG)
+        record["categories"][category] = r
+        print(verdict(f"{category}, reading {generation.READY_LAG} positions and drafting 2",
+                      f"{r['merged_ms']:.1f} ms with the first draft from the reading pass, {r['apart_ms']:.1f} ms "
+                      f"apart (median ratio {r['ratio']:.3f}x over {r['pairs']} pairs), "
+                      f"{'the same drafts' if r['same_drafts'] else 'DRAFTS DIFFER'}", r["same_drafts"]))
+    save("adaptive_probe_draft_side", record)
     return 0
 
 

@@ -23,8 +23,10 @@ plain runs: `current` (the engine as it is), and two trials the engine does not 
 `first-look` (the draft reads only the last FIRST_LOOK positions before drafting until the
 target keeps one of its drafts, then the last READY_LAG afresh: a failed probe costs a short
 pass), `light-prior` (the policy's prior on α worth one round, not two: after a first
-round whose drafts were all rejected, α = 0.3 instead of 0.4) and `short-window` (the draft
-reads at most the last SHORT_WINDOW positions when it catches up, not READY_LAG).
+round whose drafts were all rejected, α = 0.3 instead of 0.4), `short-window` (the draft
+reads at most the last SHORT_WINDOW positions when it catches up, not READY_LAG) and
+`first-draft-apart` (the engine before its catch-up pass gave the first draft too: the pass
+reads all but the last token, and the first draft step reads that one on its own).
 """
 
 from __future__ import annotations
@@ -122,6 +124,14 @@ class FirstLookProposer(ReadingProposer):
 SHORT_WINDOW = 16
 
 
+class FirstDraftApartProposer(ReadingProposer):
+    """The `first-draft-apart` trial: catching up stops a token short, so the first draft
+    step reads the last token in a pass of its own, as the engine did before."""
+
+    def catch_up(self, context, window):
+        super().catch_up(context[:-1], window - 1)
+
+
 @contextmanager
 def policy(variant: str):
     """generate() as it is, or with the `light-prior` trial's prior or the `short-window` trial's window."""
@@ -203,7 +213,8 @@ def requests(target, draft, prompt: str, tokens: int, gamma: int, variants: list
     before = timed_run(target, prompt, max_tokens=tokens)
     runs = {}
     for name in variants:
-        proposer = (FirstLookProposer if name == "first-look" else ReadingProposer)(DraftModelProposer(draft))
+        kind = {"first-look": FirstLookProposer, "first-draft-apart": FirstDraftApartProposer}.get(name, ReadingProposer)
+        proposer = kind(DraftModelProposer(draft))
         with policy(name):
             result, passes = timed_run(target, prompt, max_tokens=tokens, draft=proposer, gamma=gamma,
                                        adaptive="cost")
@@ -219,7 +230,7 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--gamma", type=int, default=8, help="the γ passed with --adaptive (as speedup.py)")
-    parser.add_argument("--variants", nargs="+", default=["current"], choices=["current", "first-look", "light-prior", "short-window"])
+    parser.add_argument("--variants", nargs="+", default=["current"], choices=["current", "first-look", "light-prior", "short-window", "first-draft-apart"])
     parser.add_argument("--out", default="adaptive_split")
     args = parser.parse_args()
 

@@ -1005,14 +1005,15 @@ def test_adaptive_split_accounts_for_every_pass_and_its_trials_keep_the_output(f
     target = load_model(folder)
     prompt = "the cat sat on the mat. " * 4  # longer than READY_LAG tokens
     records = adaptive_split.requests(target, target, prompt, 30, 4,
-                                      ["current", "first-look", "light-prior", "short-window"])
+                                      ["current", "first-look", "light-prior", "short-window", "first-draft-apart"])
     for name, r in records.items():
         assert r["valid"], name
         assert r["spec_rounds"] >= 1, name  # the first probe, at least
         assert r["plain_rounds"] + r["spec_rounds"] <= r["tokens"] - 1 <= r["plain_rounds"] + r["spec_tokens"], name
         assert r["other_s"] >= 0 and r["catch_ups"] >= 1, name
-    assert records["current"]["catch_up_read"] == READY_LAG - 1  # all but the token its first draft step feeds
-    assert records["short-window"]["catch_up_read"] == adaptive_split.SHORT_WINDOW - 1
+    assert records["current"]["catch_up_read"] == READY_LAG
+    assert records["short-window"]["catch_up_read"] == adaptive_split.SHORT_WINDOW
+    assert records["first-draft-apart"]["catch_up_read"] == READY_LAG - 1  # the last token read by a draft step
     import verispec.generate
     assert verispec.generate.READY_LAG == READY_LAG  # the trial's window does not outlive it
 
@@ -1027,13 +1028,13 @@ def test_adaptive_split_accounts_for_every_pass_and_its_trials_keep_the_output(f
     context = target.tokenizer.encode(prompt)
     proposer.start(context, len(context) + 8, prefill=False)
     proposer.catch_up(context, READY_LAG)
-    assert proposer.catch_ups[-1][1] == adaptive_split.FIRST_LOOK - 1 and proposer.lag(context) == 1
+    assert proposer.catch_ups[-1][1] == adaptive_split.FIRST_LOOK and proposer.lag(context) == 0
     drafts = proposer.propose(context, 2, SamplingParams(), None).tokens
     proposer.commit(len(context) + 1)  # the target kept the first draft and chose the next token
     context = context + [drafts[0], drafts[0]]
     assert proposer.lag(context) > 2  # generate() catches up before the next round
     proposer.catch_up(context, READY_LAG)
-    assert proposer.catch_ups[-1][1] == READY_LAG - 1 and proposer.inner.offset == len(context) - READY_LAG
+    assert proposer.catch_ups[-1][1] == READY_LAG and proposer.inner.offset == len(context) - READY_LAG
 
 
 def test_speedup_repeats_each_adaptive_run_between_two_plain_runs(folder, monkeypatch):
