@@ -1058,3 +1058,18 @@ def test_speedup_repeats_each_adaptive_run_between_two_plain_runs(folder, monkey
     assert runs == ["plain", "adaptive", "plain", "adaptive", "plain", "adaptive", "plain"]
     assert set(ratios) == {"tiny"} and ratios["tiny"]["valid"]
     assert ratios["tiny"]["plain_s"] > 0 and ratios["tiny"]["ratio"] == ratios["tiny"]["plain_s"] / ratios["tiny"]["spec_s"]
+
+
+def test_adaptive_probe_times_the_drafts_part_both_ways_with_the_same_drafts(folder, monkeypatch):
+    """benchmarks/adaptive_probe.py --draft-side: the first draft from the pass that reads the
+    context, or from a pass of its own; the drafts must be the same."""
+    import importlib
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    adaptive_probe = importlib.import_module("adaptive_probe")
+    draft = load_model(folder)
+    prompts = [SimpleNamespace(text="the cat sat on the mat. " * 3), SimpleNamespace(text="one two three four five")]
+    r = adaptive_probe.draft_side(draft, prompts, rounds=2, lag=6)
+    assert r["same_drafts"] and r["pairs"] == 4
+    assert r["merged_ms"] > 0 and r["apart_ms"] > 0 and r["ratio"] > 0
