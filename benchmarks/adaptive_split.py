@@ -132,6 +132,11 @@ class FirstDraftApartProposer(ReadingProposer):
         super().catch_up(context[:-1], window - 1)
 
 
+# the trials that draft through a proposer of their own; the rest change generate() (policy())
+PROPOSERS = {"first-look": FirstLookProposer, "first-draft-apart": FirstDraftApartProposer}
+VARIANTS = ["current", "first-look", "light-prior", "short-window", "first-draft-apart"]
+
+
 @contextmanager
 def policy(variant: str):
     """generate() as it is, or with the `light-prior` trial's prior or the `short-window` trial's window."""
@@ -213,7 +218,7 @@ def requests(target, draft, prompt: str, tokens: int, gamma: int, variants: list
     before = timed_run(target, prompt, max_tokens=tokens)
     runs = {}
     for name in variants:
-        kind = {"first-look": FirstLookProposer, "first-draft-apart": FirstDraftApartProposer}.get(name, ReadingProposer)
+        kind = PROPOSERS.get(name, ReadingProposer)
         proposer = kind(DraftModelProposer(draft))
         with policy(name):
             result, passes = timed_run(target, prompt, max_tokens=tokens, draft=proposer, gamma=gamma,
@@ -230,7 +235,7 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--gamma", type=int, default=8, help="the γ passed with --adaptive (as speedup.py)")
-    parser.add_argument("--variants", nargs="+", default=["current"], choices=["current", "first-look", "light-prior", "short-window", "first-draft-apart"])
+    parser.add_argument("--variants", nargs="+", default=["current"], choices=VARIANTS)
     parser.add_argument("--out", default="adaptive_split")
     args = parser.parse_args()
 

@@ -30,7 +30,8 @@ class FixedGamma:
     def choose(self) -> int:
         return self.gamma
 
-    def update(self, gamma: int, accepted: int, draft_s: float, verify_s: float, draft_steps: int | None = None) -> None:
+    def update(self, gamma: int, accepted: int, draft_s: float, verify_s: float,
+               draft_steps: int | None = None) -> None:
         pass
 
 
@@ -43,7 +44,8 @@ class HeuristicGamma:
     def choose(self) -> int:
         return self.gamma
 
-    def update(self, gamma: int, accepted: int, draft_s: float, verify_s: float, draft_steps: int | None = None) -> None:
+    def update(self, gamma: int, accepted: int, draft_s: float, verify_s: float,
+               draft_steps: int | None = None) -> None:
         if gamma == 0:
             return
         step = 2 if accepted == gamma else -1
@@ -121,7 +123,8 @@ class CostAwareGamma:
     def _blend(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
-    def update(self, gamma: int, accepted: int, draft_s: float, verify_s: float, draft_steps: int | None = None) -> None:
+    def update(self, gamma: int, accepted: int, draft_s: float, verify_s: float,
+               draft_steps: int | None = None) -> None:
         """One round: γ drafts that took `draft_steps` draft steps (γ unless given), `accepted` kept."""
         self.verify_s[gamma + 1] = self._blend(self.verify_s.get(gamma + 1), verify_s)
         if gamma == 0:
