@@ -35,24 +35,23 @@ from perf_common import add_pair_arguments, load_pair, save, verdict
 def draft_side(draft, prompts, rounds: int, lag: int) -> dict:
     """Seconds of the draft's part of a first probe, the first draft from the reading pass
     (`merged`) or from a pass of its own (`apart`), in turn on each prompt."""
+    from adaptive_split import FirstDraftApartProposer, ReadingProposer
     from verispec.generate import encode_prompt
     from verispec.sampling import SamplingParams
     from verispec.spec.draft_model import DraftModelProposer
 
-    times: dict[str, list[float]] = {"merged": [], "apart": []}
+    ways = {"merged": ReadingProposer, "apart": FirstDraftApartProposer}
+    times: dict[str, list[float]] = {way: [] for way in ways}
     same = True
     for prompt in prompts:
         context = encode_prompt(draft.tokenizer, prompt.text, True)
         for _ in range(rounds):
             drafts = {}
-            for way in times:
-                proposer = DraftModelProposer(draft)
+            for way, kind in ways.items():
+                proposer = kind(DraftModelProposer(draft))
                 proposer.start(context, len(context) + 8, prefill=False)
                 started = time.perf_counter()
-                if way == "merged":
-                    proposer.catch_up(context, lag)
-                else:
-                    proposer.catch_up(context[:-1], lag - 1)
+                proposer.catch_up(context, lag)
                 drafts[way] = proposer.propose(context, 2, SamplingParams(), None).tokens
                 times[way].append(time.perf_counter() - started)
             same &= drafts["merged"] == drafts["apart"]

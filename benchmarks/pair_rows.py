@@ -34,10 +34,11 @@ PROMPT = "def merge(a, b):\n    return sorted(a + b)\n"
 def measure(fmt: str, model_name: str, settings: list[int] | None, rows: list[int], rounds: int, steps: int,
             kernels) -> dict:
     from verispec.loading import load_model
+    from verispec.quant import PACKED_FORMATS
 
     loaded = load_model(model_name, weights=fmt)
     model = loaded.model
-    kind = "float" if fmt in ("bfloat16", "float32") else "integer"
+    kind = "integer" if fmt in PACKED_FORMATS else "float"
     default = kernels.pair_rows(kind)
     settings = settings or sorted({1, default, 16})
     ids = loaded.tokenizer.encode(PROMPT)

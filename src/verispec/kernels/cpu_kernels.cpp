@@ -346,8 +346,9 @@ inline void split_rows(int64_t rows, int64_t max_rows, const Part& part) {
 // set_panel_streams(1) one row reads one stream fetched `stream_prefetch()` bytes ahead. In
 // the host's fast spells two streams read bfloat16 panels at 80.0 GB/s against 71.8 as one,
 // float32 at 83.8 against 78.9 (`benchmarks/weight_streams.py --formats bfloat16 float32
-// --rows 1 --streams 1 2`). With more rows, each thread takes pieces of about an eighth of its share from a
-// shared counter, each piece a stream fetched ahead, and only each panel's first tile fetches.
+// --rows 1 --streams 1 2`). With more rows, each thread takes pieces of about an eighth of
+// its share from a shared counter, each piece a stream fetched ahead, and only each panel's
+// first tile fetches.
 template <class Tile>
 void for_each_panel_tile(const uint8_t* panels, int64_t count, int64_t stride, int64_t k, int64_t m,
                          int max_rows, int pair_max_rows, PanelKind kind, const Tile& tile) {
