@@ -16,7 +16,8 @@ the same way in plain runs of the same prompt just before and after). `gain` is 
 the speculative rounds produced times the plain pass, less what those rounds cost (verify +
 draft); `steps+` is what the plain steps cost beyond the plain runs' passes; `near` and `far`
 are a plain step's mean within 3 steps after a speculative round and elsewhere, against
-`pass`, the plain runs' step. Every --adaptive output must equal the plain output (VALID).
+`pass`, the plain runs' step; the last lines give each variant's near minus far over the
+requests that have both. Every --adaptive output must equal the plain output (VALID).
 
 With --variants, each prompt is decoded with --adaptive in several ways between the same two
 plain runs: `current` (the engine as it is), and two trials the engine does not carry:
@@ -32,6 +33,7 @@ reads all but the last token, and the first draft step reads that one on its own
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from contextlib import contextmanager
@@ -211,6 +213,17 @@ def steps_near_and_far(passes: list, gammas: list) -> tuple[float, float]:
     return mean(near), mean(far)
 
 
+def near_minus_far(rows: list[dict]) -> str:
+    """Each request's `near` minus `far` (ms), over the requests that have both, summed up."""
+    gaps = sorted(r["near_ms"] - r["far_ms"] for r in rows if not math.isnan(r["near_ms"] - r["far_ms"]))
+    if not gaps:
+        return "no request had plain steps both near a speculative round and far from one"
+    middle = len(gaps) // 2
+    median = gaps[middle] if len(gaps) % 2 else (gaps[middle - 1] + gaps[middle]) / 2
+    return (f"a plain step near a speculative round minus one far from it: median {median:+.1f} ms "
+            f"({gaps[0]:+.1f} to {gaps[-1]:+.1f}) over {len(gaps)} requests")
+
+
 def requests(target, draft, prompt: str, tokens: int, gamma: int, variants: list[str]) -> dict[str, dict]:
     """One prompt: plain, --adaptive in each variant (timed apart), plain again."""
     from verispec.spec.draft_model import DraftModelProposer
@@ -269,6 +282,8 @@ def main() -> int:
                           f"gained {1e3 * sum(r['gain_s'] for r in rows):.0f} ms, catch-up reading cost "
                           f"{1e3 * sum(r['catch_up_s'] for r in rows):.0f} ms, plain steps "
                           f"{1e3 * sum(r['plain_extra_s'] for r in rows):+.0f} ms against plain decoding's", None))
+    for name in args.variants:
+        print(f"  {name}: " + near_minus_far([r for r in record["requests"] if r["variant"] == name]))
     save(args.out, record)
     return 0
 

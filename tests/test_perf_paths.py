@@ -1022,6 +1022,11 @@ def test_adaptive_split_accounts_for_every_pass_and_its_trials_keep_the_output(f
     gammas = [0, 2, 0, 0, 0, 0, 4, 0]
     assert adaptive_split.NEAR == 3
     assert adaptive_split.steps_near_and_far(passes, gammas) == (3.0, 2.5)
+    rows = [{"near_ms": 3.0, "far_ms": 2.5}, {"near_ms": float("nan"), "far_ms": 2.0},
+            {"near_ms": 1.0, "far_ms": 4.0}, {"near_ms": 7.0, "far_ms": 5.0}]
+    assert adaptive_split.near_minus_far(rows) == (
+        "a plain step near a speculative round minus one far from it: median +0.5 ms (-3.0 to +2.0) over 3 requests")
+    assert adaptive_split.near_minus_far(rows[1:2]).startswith("no request")
 
     # first-look reads FIRST_LOOK positions, and once a draft is kept the last READY_LAG afresh
     proposer = adaptive_split.FirstLookProposer(DraftModelProposer(target))
