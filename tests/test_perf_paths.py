@@ -445,19 +445,25 @@ def test_passes_read_as_pairs_of_panels_give_the_rows_of_single_steps():
     """Passes of up to pair_rows(kind) rows (as many as the format reads as pairs) read two
     panels at a time, each thread's region as two streams (111 panels: an odd one out); float
     passes of more rows than one tile holds go through blocks of the panels in groups of rows.
-    Every setting gives each row the bits of a one-row step, for every pass size up to beyond
-    the most rows read as pairs, and each kind of panel keeps its own limit."""
+    Every setting, and every distance passes of 5 rows or more fetch their pairs ahead, gives
+    each row the bits of a one-row step, for every pass size up to beyond the most rows read
+    as pairs, and each kind of panel keeps its own limit."""
     k = kernels.cpu_kernels()
     products, n = _products_of_111_panels(seed=21)
     x, residual = _rows(256, seed=23, count=17), torch.randn(17, n, generator=torch.Generator().manual_seed(24))
     singles = [torch.cat([product(x[i:i + 1], residual[i:i + 1]) for i in range(17)]) for product in products]
     defaults = {kind: k.pair_rows(kind) for kind in ("integer", "float")}
+    default_ahead = k.pass_pair_prefetch()
     try:
-        for setting in (1, 2, 5, 8, 16, 100):
+        # passes of 5 rows or more fetch their pairs pass_pair_prefetch() ahead (the last far past the end)
+        for setting, ahead in ((1, 0), (2, 0), (5, 1024), (8, 0), (8, 1024), (16, 1536), (100, 1 << 20)):
             k.set_pair_rows(setting)
+            k.set_pass_pair_prefetch(ahead)
             for product, single in zip(products, singles):
                 for m in range(2, 18):
                     assert torch.equal(product(x[:m], residual[:m].contiguous()), single[:m])
+        with pytest.raises(RuntimeError, match="multiple of 64"):
+            k.set_pass_pair_prefetch(100)
         k.set_pair_rows(3, "integer")
         assert (k.pair_rows("integer"), k.pair_rows("float")) == (3, 100)
         with pytest.raises(RuntimeError, match="at least 1"):
@@ -467,7 +473,9 @@ def test_passes_read_as_pairs_of_panels_give_the_rows_of_single_steps():
     finally:
         for kind, rows in defaults.items():
             k.set_pair_rows(rows, kind)
-    assert defaults in ({"integer": 1, "float": 1}, {"integer": 6, "float": 3}, {"integer": 16, "float": 16})
+        k.set_pass_pair_prefetch(default_ahead)
+    assert defaults in ({"integer": 1, "float": 1}, {"integer": 8, "float": 3}, {"integer": 16, "float": 16})
+    assert default_ahead == (k.pair_prefetch() if default_ahead == 1536 else 1024)
 
 
 # On an AVX2 processor the usual build is the AVX2 one, and the tests above already run it;

@@ -193,6 +193,29 @@ void set_pair_prefetch(int64_t bytes) {
   g_pair_prefetch.store(bytes, std::memory_order_relaxed);
 }
 
+// How far ahead passes of kPassPairRows rows or more, where they read pairs, fetch each
+// stream in software, unless `set_pass_pair_prefetch` changes it: on Intel processors as far
+// as one-row products, elsewhere 1 KB. Such a tile spends several times as long on each line
+// as a one-row product, and the hardware prefetcher alone fell behind it: on the Zen 4, 1 KB
+// ahead took int4 steps over 5 / 6 positions to 0.89-0.98x / 0.83-0.87x the time, int8 over 5
+// to 0.88-0.93x; over 2 to 4 positions int4 took 1.01-1.09x and int8 over 3 0.99x, so fewer
+// rows keep to the hardware (benchmarks/stack_ab.py; the patch
+// variants/pass_pairs_fetched_by_hardware.patch undoes it; NOTES.md, "The Zen 4 a third time
+// that day").
+constexpr int64_t kPassPairRows = 5;
+int64_t default_pass_pair_prefetch() {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("intel") ? default_pair_prefetch() : 1024;
+}
+std::atomic<int64_t> g_pass_pair_prefetch{default_pass_pair_prefetch()};
+inline int64_t pass_pair_prefetch() { return g_pass_pair_prefetch.load(std::memory_order_relaxed); }
+void set_pass_pair_prefetch(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0 && bytes % 64 == 0, "the prefetch distance must be a multiple of 64 bytes, not ", bytes);
+  g_pass_pair_prefetch.store(bytes, std::memory_order_relaxed);
+}
+// how far ahead a product of `rows` rows that reads pairs fetches each stream
+inline int64_t pair_prefetch_for(int64_t rows) { return rows >= kPassPairRows ? pass_pair_prefetch() : pair_prefetch(); }
+
 // Fetches `lines` cache lines from p + ahead on (a prefetch never faults, even past the end).
 inline void fetch_ahead(const uint8_t* p, int64_t ahead, int lines) {
   for (int line = 0; line < lines; ++line) _mm_prefetch(reinterpret_cast<const char*>(p + ahead + 64 * line), _MM_HINT_T0);
@@ -262,27 +285,29 @@ void for_each_region_piece(int64_t count, int64_t stride, int64_t unit_panels, c
 }
 
 // Products of up to this many rows read their panels as a one-row product does, two streams
-// per thread fetched pair_prefetch() bytes ahead, where the format reads pairs with that many
-// rows (integers up to 8, floats up to 16), unless `set_pair_rows` changes it; integer and
-// float panels have a limit each. On the Intel Xeon these kernels were measured on, one stream
+// per thread fetched pair_prefetch_for(rows) bytes ahead, where the format reads pairs with
+// that many rows (integers up to 8, floats up to 16), unless `set_pair_rows` changes it;
+// integer and float panels have a limit each. On the Intel Xeon these kernels were measured on, one stream
 // per thread fetched 20 KB ahead made passes of the 1.5B over 2 / 5 / 8 positions cost 1.49 /
 // 1.63 / 1.83 one-row steps in int4; read as pairs 1.11 / 1.23 / 1.67 (int8: 1.23 / 1.37 /
 // 1.70 against 1.06 / 1.17 / 1.41); over 5 / 9 positions in bfloat16 1.63 / 2.14 against 1.24
 // / 1.70, in float32 1.45 / 1.78 against 1.03 / 1.31, and over 9 / 12 in int4 1.87 / 2.56
 // against 1.59 / 1.91; with the same bits (benchmarks/pair_rows.py, NOTES.md): 16 for both
-// there. The AMD EPYCs fetch pairs by the hardware alone. On the Zen 4 (family 19h with
-// AVX-512) integer passes of 2 to 6 rows read as pairs took 0.78-0.93x the time, of 7 and 8
-// rows 0.99-1.09x; float passes of 3 rows (one pair tile) 0.80-0.96x, of 5 and 9 rows (in
-// blocks) 1.02-1.87x (benchmarks/stack_ab.py with variants/pairs_on_every_processor.patch;
-// variants/integer_pairs_of_one_row_on_zen4.patch undoes the integers'): integers up to 6
-// rows, floats up to 3. The other AMD processors are unmeasured and stay at 1.
+// there. On the Zen 4 (family 19h with AVX-512) integer passes of 2 to 6 rows read as pairs
+// took 0.78-0.93x the time, of 7 and 8 rows 0.99-1.09x while the hardware alone fetched the
+// pairs, and 0.87-0.89x (int4) and 0.86-0.93x (int8) once passes of 5 rows or more fetched
+// them in software (pass_pair_prefetch); float passes of 3 rows (one pair tile) 0.80-0.96x,
+// of 5 and 9 rows (in blocks) 1.02-1.87x (benchmarks/stack_ab.py with
+// variants/pairs_on_every_processor.patch; variants/integer_pairs_of_one_row_on_zen4.patch
+// and variants/integer_pairs_of_up_to_6_rows_on_zen4.patch undo the integers'): integers up
+// to 8 rows, floats up to 3. The other AMD processors are unmeasured and stay at 1.
 enum class PanelKind { integer, floating };
 int64_t default_pair_rows(PanelKind kind) {
   __builtin_cpu_init();
   if (__builtin_cpu_is("intel")) return 16;
   const bool zen4 = __builtin_cpu_is("amdfam19h") && __builtin_cpu_supports("avx512f");
   if (!zen4) return 1;
-  return kind == PanelKind::integer ? 6 : 3;
+  return kind == PanelKind::integer ? 8 : 3;
 }
 std::atomic<int64_t> g_pair_rows[2] = {default_pair_rows(PanelKind::integer), default_pair_rows(PanelKind::floating)};
 inline int64_t pair_rows(PanelKind kind) { return g_pair_rows[static_cast<int>(kind)].load(std::memory_order_relaxed); }
@@ -342,7 +367,7 @@ inline void split_rows(int64_t rows, int64_t max_rows, const Part& part) {
 //
 // A product of one row (a plain decoding step), or of up to min(pair_max_rows,
 // pair_rows(kind)) rows, reads one region per thread as two streams side by side (q >= 0),
-// fetched pair_prefetch() bytes ahead (0: by the hardware alone), or with
+// fetched pair_prefetch_for(m) bytes ahead (0: by the hardware alone), or with
 // set_panel_streams(1) one row reads one stream fetched `stream_prefetch()` bytes ahead. In
 // the host's fast spells two streams read bfloat16 panels at 80.0 GB/s against 71.8 as one,
 // float32 at 83.8 against 78.9 (`benchmarks/weight_streams.py --formats bfloat16 float32
@@ -353,7 +378,7 @@ template <class Tile>
 void for_each_panel_tile(const uint8_t* panels, int64_t count, int64_t stride, int64_t k, int64_t m,
                          int max_rows, int pair_max_rows, PanelKind kind, const Tile& tile) {
   if (m <= std::min<int64_t>(pair_max_rows, pair_rows(kind)) && panel_streams() == 2) {
-    const int64_t ahead = pair_prefetch();
+    const int64_t ahead = pair_prefetch_for(m);
     for_each_panel_pair(count, stride, [&](int64_t p, int64_t q) { tile(static_cast<int>(m), p, q, 0, nullptr, ahead); });
     return;
   }
@@ -442,7 +467,7 @@ void for_each_integer_tile(const uint8_t* panels, int64_t n, int64_t k, int64_t 
                part(row0 + first, first == 0 ? fetch_end : nullptr, ahead));
         });
       });
-    } else if (rows <= MaxPairRows) {  // two streams (fetched pair_prefetch() bytes ahead)
+    } else if (rows <= MaxPairRows) {  // two streams (fetched pair_prefetch_for(rows) bytes ahead)
       with_rows<MaxPairRows>(rows, [&](auto r) {
         tile(r, std::integral_constant<int, 2>{}, std::false_type{}, part(row0, nullptr, ahead));
       });
@@ -2252,6 +2277,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_pair_prefetch", &set_pair_prefetch,
         "how many bytes ahead each of a product's two streams per thread is fetched in software (0: by the hardware alone)");
   m.def("pair_prefetch", &pair_prefetch, "how many bytes ahead a product's two streams per thread are fetched");
+  m.def("set_pass_pair_prefetch", &set_pass_pair_prefetch, "how many bytes ahead products of 5 rows or more that "
+        "read two streams per thread fetch each in software (0: by the hardware alone)");
+  m.def("pass_pair_prefetch", &pass_pair_prefetch, "how many bytes ahead products of 5 rows or more fetch their pairs");
   m.def("set_pair_rows", &set_pair_rows, "products of up to this many rows read two streams per thread "
         "(where the format has such tiles), for 'integer' or 'float' panels or 'all'",
         py::arg("rows"), py::arg("kind") = "all");
