@@ -40,7 +40,7 @@ from contextlib import contextmanager
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 
-from perf_common import add_pair_arguments, load_pair, save, verdict
+from perf_common import add_pair_arguments, load_pair, median, save, verdict
 
 
 class TimedModel:
@@ -215,12 +215,10 @@ def steps_near_and_far(passes: list, gammas: list) -> tuple[float, float]:
 
 def near_minus_far(rows: list[dict]) -> str:
     """Each request's `near` minus `far` (ms), over the requests that have both, summed up."""
-    gaps = sorted(r["near_ms"] - r["far_ms"] for r in rows if not math.isnan(r["near_ms"] - r["far_ms"]))
+    gaps = sorted(gap for gap in (r["near_ms"] - r["far_ms"] for r in rows) if not math.isnan(gap))
     if not gaps:
         return "no request had plain steps both near a speculative round and far from one"
-    middle = len(gaps) // 2
-    median = gaps[middle] if len(gaps) % 2 else (gaps[middle - 1] + gaps[middle]) / 2
-    return (f"a plain step near a speculative round minus one far from it: median {median:+.1f} ms "
+    return (f"a plain step near a speculative round minus one far from it: median {median(gaps):+.1f} ms "
             f"({gaps[0]:+.1f} to {gaps[-1]:+.1f}) over {len(gaps)} requests")
 
 

@@ -475,7 +475,7 @@ def test_passes_read_as_pairs_of_panels_give_the_rows_of_single_steps():
             k.set_pair_rows(rows, kind)
         k.set_pass_pair_prefetch(default_ahead)
     assert defaults in ({"integer": 1, "float": 1}, {"integer": 8, "float": 3}, {"integer": 16, "float": 16})
-    assert default_ahead == (k.pair_prefetch() if default_ahead == 1536 else 1024)
+    assert default_ahead == (k.pair_prefetch() or 1024)  # Intel: as one-row products; elsewhere 1 KB
 
 
 # On an AVX2 processor the usual build is the AVX2 one, and the tests above already run it;

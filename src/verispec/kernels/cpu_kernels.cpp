@@ -287,8 +287,8 @@ void for_each_region_piece(int64_t count, int64_t stride, int64_t unit_panels, c
 // Products of up to this many rows read their panels as a one-row product does, two streams
 // per thread fetched pair_prefetch_for(rows) bytes ahead, where the format reads pairs with
 // that many rows (integers up to 8, floats up to 16), unless `set_pair_rows` changes it;
-// integer and float panels have a limit each. On the Intel Xeon these kernels were measured on, one stream
-// per thread fetched 20 KB ahead made passes of the 1.5B over 2 / 5 / 8 positions cost 1.49 /
+// integer and float panels have a limit each. On the Intel Xeon these kernels were measured
+// on, one stream per thread fetched 20 KB ahead made passes of the 1.5B over 2 / 5 / 8 positions cost 1.49 /
 // 1.63 / 1.83 one-row steps in int4; read as pairs 1.11 / 1.23 / 1.67 (int8: 1.23 / 1.37 /
 // 1.70 against 1.06 / 1.17 / 1.41); over 5 / 9 positions in bfloat16 1.63 / 2.14 against 1.24
 // / 1.70, in float32 1.45 / 1.78 against 1.03 / 1.31, and over 9 / 12 in int4 1.87 / 2.56
