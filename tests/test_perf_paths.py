@@ -476,6 +476,10 @@ def test_passes_read_as_pairs_of_panels_give_the_rows_of_single_steps():
         k.set_pass_pair_prefetch(default_ahead)
     assert defaults in ({"integer": 1, "float": 1}, {"integer": 8, "float": 3}, {"integer": 16, "float": 16})
     assert default_ahead == (k.pair_prefetch() or 1024)  # Intel: as one-row products; elsewhere 1 KB
+    # 16-bit float lines hold twice a float32 line's inputs: their passes fetch as passes from 3 rows
+    assert [k.pass_pair_rows(w) for w in ("int4", "int8", "float32", "bfloat16", "float16")] == [5, 5, 5, 3, 3]
+    with pytest.raises(RuntimeError, match="weights must be"):
+        k.pass_pair_rows("q5_k")
 
 
 # On an AVX2 processor the usual build is the AVX2 one, and the tests above already run it;
@@ -940,6 +944,37 @@ def test_stack_ab_compares_the_kernels_with_a_patch_applied(tmp_path, monkeypatc
     (tmp_path / "stale.patch").write_text(diff.replace(lines[0].rstrip("\n"), "// another first line"))
     with pytest.raises(SystemExit, match="stale.patch does not apply"):
         stack_ab.patched(tmp_path / "stale.patch", tmp_path / "two")
+
+
+def test_pair_prefetch_varies_the_distance_a_pass_of_that_size_uses(monkeypatch):
+    """benchmarks/pair_prefetch.py --positions M varies the distance the kernels use for M
+    positions: one-row products' pairs, passes' pairs (from pass_pair_rows rows), or the one
+    stream of passes with more rows than the format reads as pairs."""
+    import importlib
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    pair_prefetch = importlib.import_module("pair_prefetch")
+    zen4 = SimpleNamespace(panel_streams=lambda: 2, pair_rows={"integer": 8, "float": 3}.get,
+                           pass_pair_rows=lambda weights: 3 if weights == "bfloat16" else 5)
+    knobs = {(fmt, m): pair_prefetch.knob_at(zen4, fmt, m)
+             for fmt in ("int4", "bfloat16", "float32") for m in (1, 2, 3, 5, 9)}
+    assert knobs == {("int4", 1): "pair", ("int4", 2): "pair", ("int4", 3): "pair", ("int4", 5): "pass-pair",
+                     ("int4", 9): "stream", ("bfloat16", 1): "pair", ("bfloat16", 2): "pair",
+                     ("bfloat16", 3): "pass-pair", ("bfloat16", 5): "stream", ("bfloat16", 9): "stream",
+                     ("float32", 1): "pair", ("float32", 2): "pair", ("float32", 3): "pair",
+                     ("float32", 5): "stream", ("float32", 9): "stream"}
+    one_stream = SimpleNamespace(panel_streams=lambda: 1, pair_rows=zen4.pair_rows, pass_pair_rows=zen4.pass_pair_rows)
+    assert pair_prefetch.knob_at(one_stream, "int4", 1) == "stream"
+    k = kernels.cpu_kernels()
+    if k is not None:  # each knob is read and set through the kernels' own functions
+        for knob in pair_prefetch.KNOBS:
+            default = pair_prefetch.get_distance(k, knob)
+            try:
+                pair_prefetch.set_distance(k, knob, 4096)
+                assert pair_prefetch.get_distance(k, knob) == 4096
+            finally:
+                pair_prefetch.set_distance(k, knob, default)
 
 
 def test_every_saved_trial_still_applies_to_the_kernels(tmp_path, monkeypatch):

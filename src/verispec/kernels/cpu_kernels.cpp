@@ -193,15 +193,18 @@ void set_pair_prefetch(int64_t bytes) {
   g_pair_prefetch.store(bytes, std::memory_order_relaxed);
 }
 
-// How far ahead passes of kPassPairRows rows or more, where they read pairs, fetch each
-// stream in software, unless `set_pass_pair_prefetch` changes it: on Intel processors as far
-// as one-row products, elsewhere 1 KB. Such a tile spends several times as long on each line
-// as a one-row product, and the hardware prefetcher alone fell behind it: on the Zen 4, 1 KB
-// ahead took int4 steps over 5 / 6 positions to 0.89-0.98x / 0.83-0.87x the time, int8 over 5
-// to 0.88-0.93x; over 2 to 4 positions int4 took 1.01-1.09x and int8 over 3 0.99x, so fewer
-// rows keep to the hardware (benchmarks/stack_ab.py; the patch
-// variants/pass_pairs_fetched_by_hardware.patch undoes it; NOTES.md, "The Zen 4 a third time
-// that day").
+// How far ahead passes of kPassPairRows rows or more (16-bit float panels: 3), where they
+// read pairs, fetch each stream in software, unless `set_pass_pair_prefetch` changes it: on
+// Intel processors as far as one-row products, elsewhere 1 KB. Such a tile spends several
+// times as long on each line as a one-row product, and the hardware prefetcher alone fell
+// behind it: on the Zen 4, 1 KB ahead took int4 steps over 5 / 6 positions to 0.89-0.98x /
+// 0.83-0.87x the time, int8 over 5 to 0.88-0.93x; over 2 to 4 positions int4 took
+// 1.01-1.09x and int8 over 3 0.99x, so fewer rows keep to the hardware (benchmarks/stack_ab.py;
+// the patch variants/pass_pairs_fetched_by_hardware.patch undoes it; NOTES.md, "The Zen 4 a
+// third time that day"). A bfloat16 line holds twice a float32 line's inputs, and its
+// passes over 3 positions took 0.86-0.93x the time fetched 512 B or 1 KB ahead, float32's
+// 1.02-1.06x (benchmarks/pair_prefetch.py --positions 3; NOTES.md, "The Zen 4 a fourth
+// time"); float16 panels, which convert as much per line, follow bfloat16 unmeasured.
 constexpr int64_t kPassPairRows = 5;
 int64_t default_pass_pair_prefetch() {
   __builtin_cpu_init();
@@ -213,8 +216,11 @@ void set_pass_pair_prefetch(int64_t bytes) {
   TORCH_CHECK(bytes >= 0 && bytes % 64 == 0, "the prefetch distance must be a multiple of 64 bytes, not ", bytes);
   g_pass_pair_prefetch.store(bytes, std::memory_order_relaxed);
 }
-// how far ahead a product of `rows` rows that reads pairs fetches each stream
-inline int64_t pair_prefetch_for(int64_t rows) { return rows >= kPassPairRows ? pass_pair_prefetch() : pair_prefetch(); }
+// how far ahead a product of `rows` rows that reads pairs fetches each stream, where passes
+// of `pass_rows` rows or more fetch as passes
+inline int64_t pair_prefetch_for(int64_t rows, int64_t pass_rows) {
+  return rows >= pass_rows ? pass_pair_prefetch() : pair_prefetch();
+}
 
 // Fetches `lines` cache lines from p + ahead on (a prefetch never faults, even past the end).
 inline void fetch_ahead(const uint8_t* p, int64_t ahead, int lines) {
@@ -367,7 +373,7 @@ inline void split_rows(int64_t rows, int64_t max_rows, const Part& part) {
 //
 // A product of one row (a plain decoding step), or of up to min(pair_max_rows,
 // pair_rows(kind)) rows, reads one region per thread as two streams side by side (q >= 0),
-// fetched pair_prefetch_for(m) bytes ahead (0: by the hardware alone), or with
+// fetched pair_prefetch_for(m, pass_rows) bytes ahead (0: by the hardware alone), or with
 // set_panel_streams(1) one row reads one stream fetched `stream_prefetch()` bytes ahead. In
 // the host's fast spells two streams read bfloat16 panels at 80.0 GB/s against 71.8 as one,
 // float32 at 83.8 against 78.9 (`benchmarks/weight_streams.py --formats bfloat16 float32
@@ -376,9 +382,9 @@ inline void split_rows(int64_t rows, int64_t max_rows, const Part& part) {
 // first tile fetches.
 template <class Tile>
 void for_each_panel_tile(const uint8_t* panels, int64_t count, int64_t stride, int64_t k, int64_t m,
-                         int max_rows, int pair_max_rows, PanelKind kind, const Tile& tile) {
+                         int max_rows, int pair_max_rows, PanelKind kind, int64_t pass_rows, const Tile& tile) {
   if (m <= std::min<int64_t>(pair_max_rows, pair_rows(kind)) && panel_streams() == 2) {
-    const int64_t ahead = pair_prefetch_for(m);
+    const int64_t ahead = pair_prefetch_for(m, pass_rows);
     for_each_panel_pair(count, stride, [&](int64_t p, int64_t q) { tile(static_cast<int>(m), p, q, 0, nullptr, ahead); });
     return;
   }
@@ -454,7 +460,7 @@ template <int MaxRows, int MaxPairRows, int MaxBlockRows = 2 * MaxPairRows, clas
 void for_each_integer_tile(const uint8_t* panels, int64_t n, int64_t k, int64_t m, int64_t stride, float* y,
                            const float* residual, const Tile& tile) {
   const int64_t groups = k / kGroup, group_bytes = stride / groups;
-  for_each_panel_tile(panels, n / kPanel, stride, k, m, MaxRows, MaxBlockRows, PanelKind::integer,
+  for_each_panel_tile(panels, n / kPanel, stride, k, m, MaxRows, MaxBlockRows, PanelKind::integer, kPassPairRows,
                       [&](int rows, int64_t p, int64_t q, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
     const auto part = [&](int64_t first, const uint8_t* fetch_end, int64_t ahead) {
       return IntegerTile{{panels + p * stride, panels + q * stride}, {p * kPanel, q * kPanel}, first,
@@ -467,7 +473,7 @@ void for_each_integer_tile(const uint8_t* panels, int64_t n, int64_t k, int64_t 
                part(row0 + first, first == 0 ? fetch_end : nullptr, ahead));
         });
       });
-    } else if (rows <= MaxPairRows) {  // two streams (fetched pair_prefetch_for(rows) bytes ahead)
+    } else if (rows <= MaxPairRows) {  // two streams (fetched pair_prefetch_for bytes ahead)
       with_rows<MaxPairRows>(rows, [&](auto r) {
         tile(r, std::integral_constant<int, 2>{}, std::false_type{}, part(row0, nullptr, ahead));
       });
@@ -1366,12 +1372,15 @@ at::Tensor dequantize_int4_panels(const at::Tensor& panels) {
 // depend on how many rows share the call.
 constexpr int kFloatPanelRows = kWideLanes ? 6 : 2;  // 4 accumulators per row: 24 of the 32 zmm, 16 of the 16 ymm
 
+// kPassPairRows: from how many rows a pass that reads pairs fetches them as a pass (above)
 struct PanelF32 {
   static constexpr int kPerLine = 1;
+  static constexpr int64_t kPassPairRows = ::kPassPairRows;
   static void unpack(ILanes v, Lanes* w) { w[0] = lbits(v); }
 };
 struct PanelBF16 {  // dword j: column j's input 2t in the low half, 2t+1 in the high half
   static constexpr int kPerLine = 2;
+  static constexpr int64_t kPassPairRows = 3;
   static void unpack(ILanes v, Lanes* w) {
     w[0] = lbits(isll32(v, 16));
     w[1] = lbits(iand(v, iset1(static_cast<int32_t>(0xFFFF0000u))));
@@ -1379,6 +1388,7 @@ struct PanelBF16 {  // dword j: column j's input 2t in the low half, 2t+1 in the
 };
 struct PanelF16 {
   static constexpr int kPerLine = 2;
+  static constexpr int64_t kPassPairRows = 3;
   static void unpack(ILanes v, Lanes* w) {
     w[0] = lhalves_low(v);
     w[1] = lhalves_low(isrl32(v, 16));
@@ -1495,6 +1505,7 @@ void matmul_float_panels(const uint8_t* panels, int64_t n, int64_t k, const floa
                          const float* bias, const float* residual) {
   const int64_t stride = kPanel * k * 4 / P::kPerLine;
   for_each_panel_tile(panels, n / kPanel, stride, k, m, kFloatPanelRows, kFloatPairMaxRows, PanelKind::floating,
+                      P::kPassPairRows,
                       [&](int rows, int64_t p, int64_t q, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
     if (q >= 0) {  // two streams
       float_panel_pair<P>(panels + p * stride, panels + q * stride, k, x + row0 * k, rows, y + row0 * n, n,
@@ -1534,6 +1545,14 @@ at::Tensor linear_float_panels(const at::Tensor& x, const at::Tensor& panels, co
     default: TORCH_CHECK(false, "float panels must be float32, bfloat16 or float16, not ", panels.scalar_type());
   }
   return y;
+}
+
+// from how many rows a pass in `weights` that reads pairs fetches them pass_pair_prefetch() ahead
+int64_t pass_pair_rows_of(const std::string& weights) {
+  if (weights == "int4" || weights == "int8" || weights == "float32") return kPassPairRows;
+  if (weights == "bfloat16") return PanelBF16::kPassPairRows;
+  if (weights == "float16") return PanelF16::kPassPairRows;
+  TORCH_CHECK(false, "weights must be 'int4', 'int8', 'float32', 'bfloat16' or 'float16', not '", weights, "'");
 }
 
 // int8 weights x activations in 16-bit fixed point (`vpdpwssd` with VNNI, 32 products per
@@ -2280,6 +2299,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_pass_pair_prefetch", &set_pass_pair_prefetch, "how many bytes ahead products of 5 rows or more that "
         "read two streams per thread fetch each in software (0: by the hardware alone)");
   m.def("pass_pair_prefetch", &pass_pair_prefetch, "how many bytes ahead products of 5 rows or more fetch their pairs");
+  m.def("pass_pair_rows", &pass_pair_rows_of, "from how many rows a product that reads two streams per thread "
+        "fetches them pass_pair_prefetch() ahead, in weights 'int4', 'int8', 'float32', 'bfloat16' or 'float16'",
+        py::arg("weights"));
   m.def("set_pair_rows", &set_pair_rows, "products of up to this many rows read two streams per thread "
         "(where the format has such tiles), for 'integer' or 'float' panels or 'all'",
         py::arg("rows"), py::arg("kind") = "all");
