@@ -3,7 +3,7 @@
     python benchmarks/pair_prefetch.py                         # the 1.5B in every format, 0 to 2 KB
     python benchmarks/pair_prefetch.py --formats int4 --distances 0 1024 1536 --rounds 12
     python benchmarks/pair_prefetch.py --formats int4 int8 --positions 5 --distances 0 512 1024 2048
-    python benchmarks/pair_prefetch.py --formats int4 --positions 9 --distances 2048 8192 20480
+    python benchmarks/pair_prefetch.py --formats int4 --positions 9 --distances 2048 4096 20480
 
 A plain decoding step reads each thread's region of a product's panels as two streams side
 by side. How well the hardware prefetcher alone keeps them fed depends on the processor: on
@@ -12,7 +12,8 @@ left every format well short of the read bandwidth. A verification pass (--posit
 spends longer on each line, and its distance is a knob of its own: passes of a few rows that
 read pairs use the one-row distance (`pair`), passes of `pass_pair_rows` rows or more (5;
 bfloat16 3) that read pairs `pass-pair`, and passes with more rows than the format reads as
-pairs one stream per thread (`stream`). --knob picks one; by default it is the one the
+pairs one stream per thread (`pass-stream`); one-row products read one stream per thread
+(`stream`) only under `set_panel_streams(1)`. --knob picks one; by default it is the one the
 kernels use for M positions in each format.
 
 For each weight format the model runs forward passes over M positions after a short prompt
@@ -38,16 +39,16 @@ from perf_common import free, machine_load, median, panel_kernels, processor, sa
 from stream_layout import spell_groups, spells, time_ratio
 
 PROMPT = "def merge(a, b):\n    return sorted(a + b)\n"
-KNOBS = ("pair", "pass-pair", "stream")
+KNOBS = ("pair", "pass-pair", "pass-stream", "stream")
 
 
 def knob_at(kernels, fmt: str, positions: int) -> str:
     """The distance the kernels use for a step of `positions` positions in `fmt` (the
     branches of for_each_panel_tile)."""
     kind = "integer" if fmt in ("int4", "int8") else "float"
-    if kernels.panel_streams() != 2 or positions > kernels.pair_rows(kind):
-        return "stream"
-    return "pass-pair" if positions >= kernels.pass_pair_rows(fmt) else "pair"
+    if kernels.panel_streams() == 2 and positions <= kernels.pair_rows(kind):
+        return "pass-pair" if positions >= kernels.pass_pair_rows(fmt) else "pair"
+    return "stream" if positions == 1 else "pass-stream"
 
 
 def get_distance(kernels, knob: str) -> int:

@@ -373,19 +373,23 @@ def test_the_prefetch_distance_changes_speed_only():
     layer = Int8Linear.from_float(torch.randn(4096, 256, generator=gen))  # several 20 KB streams
     panels, x = to_panels(layer.weight), _rows(256, seed=13, count=5)
     floats = to_panels(torch.randn(2048, 256, generator=gen))
-    default = k.stream_prefetch()
+    default, default_pass = k.stream_prefetch(), k.pass_stream_prefetch()
     try:
         results = []
         for distance in (default, 0, 64, 4096):
             k.set_stream_prefetch(distance)
+            k.set_pass_stream_prefetch(distance)  # the 5-row passes read one stream where pairs stop short of them
             results.append((k.linear_int8_panels(x, panels, layer.scale, None, None),
                             k.linear_float_panels(x, floats, None, None)))
         assert all(torch.equal(a, results[0][0]) and torch.equal(b, results[0][1]) for a, b in results)
-        with pytest.raises(RuntimeError, match="multiple of 64"):
-            k.set_stream_prefetch(100)
+        for setter in (k.set_stream_prefetch, k.set_pass_stream_prefetch):
+            with pytest.raises(RuntimeError, match="multiple of 64"):
+                setter(100)
     finally:
         k.set_stream_prefetch(default)
+        k.set_pass_stream_prefetch(default_pass)
     assert k.stream_prefetch() == default == 20 * 1024
+    assert default_pass in (4096, default)  # the Zen 4: 4 KB; elsewhere as far as one-row streams
 
 
 def _products_of_111_panels(seed: int, k=None) -> tuple[list, int]:
@@ -948,8 +952,9 @@ def test_stack_ab_compares_the_kernels_with_a_patch_applied(tmp_path, monkeypatc
 
 def test_pair_prefetch_varies_the_distance_a_pass_of_that_size_uses(monkeypatch):
     """benchmarks/pair_prefetch.py --positions M varies the distance the kernels use for M
-    positions: one-row products' pairs, passes' pairs (from pass_pair_rows rows), or the one
-    stream of passes with more rows than the format reads as pairs."""
+    positions: one-row products' pairs, passes' pairs (from pass_pair_rows rows), the one
+    stream of passes with more rows than the format reads as pairs, or one-row products' one
+    stream where they read one."""
     import importlib
     from types import SimpleNamespace
 
@@ -960,12 +965,12 @@ def test_pair_prefetch_varies_the_distance_a_pass_of_that_size_uses(monkeypatch)
     knobs = {(fmt, m): pair_prefetch.knob_at(zen4, fmt, m)
              for fmt in ("int4", "bfloat16", "float32") for m in (1, 2, 3, 5, 9)}
     assert knobs == {("int4", 1): "pair", ("int4", 2): "pair", ("int4", 3): "pair", ("int4", 5): "pass-pair",
-                     ("int4", 9): "stream", ("bfloat16", 1): "pair", ("bfloat16", 2): "pair",
-                     ("bfloat16", 3): "pass-pair", ("bfloat16", 5): "stream", ("bfloat16", 9): "stream",
+                     ("int4", 9): "pass-stream", ("bfloat16", 1): "pair", ("bfloat16", 2): "pair",
+                     ("bfloat16", 3): "pass-pair", ("bfloat16", 5): "pass-stream", ("bfloat16", 9): "pass-stream",
                      ("float32", 1): "pair", ("float32", 2): "pair", ("float32", 3): "pair",
-                     ("float32", 5): "stream", ("float32", 9): "stream"}
+                     ("float32", 5): "pass-stream", ("float32", 9): "pass-stream"}
     one_stream = SimpleNamespace(panel_streams=lambda: 1, pair_rows=zen4.pair_rows, pass_pair_rows=zen4.pass_pair_rows)
-    assert pair_prefetch.knob_at(one_stream, "int4", 1) == "stream"
+    assert [pair_prefetch.knob_at(one_stream, "int4", m) for m in (1, 2)] == ["stream", "pass-stream"]
     k = kernels.cpu_kernels()
     if k is not None:  # each knob is read and set through the kernels' own functions
         for knob in pair_prefetch.KNOBS:

@@ -174,6 +174,25 @@ void set_stream_prefetch(int64_t bytes) {
   g_stream_prefetch.store(bytes, std::memory_order_relaxed);
 }
 
+// How far ahead passes of several rows that read one stream per thread (more rows than the
+// format reads as pairs) fetch it, unless `set_pass_stream_prefetch` changes it: on the Zen 4
+// 4 KB, elsewhere as far as stream_prefetch(). Such a tile takes rows times as long over each
+// line as a one-row step, so a shorter distance covers the same time: on the Zen 4, 4 KB
+// against 20 KB took int4 passes over 9 positions to 0.94-0.98x the time, over 17 to
+// 0.97-1.11x, bfloat16 and float32 over 9 to 0.91-0.98x, int8 over 9 to 0.98-1.08x
+// (benchmarks/pair_prefetch.py --positions 9 and 17; NOTES.md, "The Zen 4 a fourth time").
+int64_t default_pass_stream_prefetch() {
+  __builtin_cpu_init();
+  const bool zen4 = __builtin_cpu_is("amdfam19h") && __builtin_cpu_supports("avx512f");
+  return zen4 ? 4 * 1024 : stream_prefetch();
+}
+std::atomic<int64_t> g_pass_stream_prefetch{default_pass_stream_prefetch()};
+inline int64_t pass_stream_prefetch() { return g_pass_stream_prefetch.load(std::memory_order_relaxed); }
+void set_pass_stream_prefetch(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0 && bytes % 64 == 0, "the prefetch distance must be a multiple of 64 bytes, not ", bytes);
+  g_pass_stream_prefetch.store(bytes, std::memory_order_relaxed);
+}
+
 // How far ahead each of a one-row product's two streams per thread is fetched in software,
 // unless `set_pair_prefetch` changes it: on Intel processors 1.5 KB, elsewhere 0 (the
 // hardware prefetcher alone). On the Intel Xeon these kernels were measured on, 1.5 KB ahead
@@ -379,7 +398,7 @@ inline void split_rows(int64_t rows, int64_t max_rows, const Part& part) {
 // float32 at 83.8 against 78.9 (`benchmarks/weight_streams.py --formats bfloat16 float32
 // --rows 1 --streams 1 2`). With more rows, each thread takes pieces of about an eighth of
 // its share from a shared counter, each piece a stream fetched ahead, and only each panel's
-// first tile fetches.
+// first tile fetches, pass_stream_prefetch() bytes ahead.
 template <class Tile>
 void for_each_panel_tile(const uint8_t* panels, int64_t count, int64_t stride, int64_t k, int64_t m,
                          int max_rows, int pair_max_rows, PanelKind kind, int64_t pass_rows, const Tile& tile) {
@@ -397,7 +416,7 @@ void for_each_panel_tile(const uint8_t* panels, int64_t count, int64_t stride, i
   }
   // small products run on one thread: waking the others would cost more than it saves
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kPanel * k * std::max<int64_t>(1, m)));
-  const int64_t ahead = stream_prefetch();
+  const int64_t ahead = pass_stream_prefetch();
   parallel_range(count, grain, [&](int64_t begin, int64_t end) {
     const uint8_t* fetch_end = ahead ? panels + end * stride : nullptr;
     if (ahead) prefetch_lines(panels + begin * stride, panels + begin * stride + ahead, fetch_end);
@@ -1095,9 +1114,9 @@ constexpr int kPanelRows = kWideLanes ? 10 : 5;
 // The most rows an integer tile reads two panels with: 8 fill the 32 zmm registers (9 rows
 // spilled and lost to one panel at a time); with 16 ymm registers, one row.
 constexpr int kPairRows = kWideLanes ? 8 : 1;
-// Each thread's stream of panels is fetched stream_prefetch() bytes ahead: the hardware
-// prefetcher alone falls behind once a tile has several rows (9 rows: 1.6 ms -> 3.0 ms per
-// 1.5B layer when this kernel was written).
+// Each thread's stream of panels is fetched ahead in software (pass_stream_prefetch() bytes
+// in passes): the hardware prefetcher alone falls behind once a tile has several rows (9
+// rows: 1.6 ms -> 3.0 ms per 1.5B layer when this kernel was written).
 
 struct RoundedRows {  // activations per row in groups of 32: int8 values, dx, dx * sum(xq)
   std::vector<int8_t> q;
@@ -2293,6 +2312,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_stream_prefetch", &set_stream_prefetch,
         "how many bytes ahead the panel kernels fetch each thread's stream (0: leave it to the hardware)");
   m.def("stream_prefetch", &stream_prefetch, "the panel kernels' prefetch distance in bytes");
+  m.def("set_pass_stream_prefetch", &set_pass_stream_prefetch, "how many bytes ahead products of several rows "
+        "that read one stream per thread fetch it (0: leave it to the hardware)");
+  m.def("pass_stream_prefetch", &pass_stream_prefetch, "how many bytes ahead products of several rows that read "
+        "one stream per thread fetch it");
   m.def("set_pair_prefetch", &set_pair_prefetch,
         "how many bytes ahead each of a product's two streams per thread is fetched in software (0: by the hardware alone)");
   m.def("pair_prefetch", &pair_prefetch, "how many bytes ahead a product's two streams per thread are fetched");
