@@ -133,8 +133,8 @@ def main() -> int:
     kernels = panel_kernels()
     if kernels is None:
         return 1
-    print(f"prefetch distances: {args.model}, {args.positions} position(s) per step, {torch.get_num_threads()} threads, "
-          f"{processor()['name']}, {machine_load()}")
+    print(f"prefetch distances: {args.model}, {args.positions} position(s) per step, "
+          f"{torch.get_num_threads()} threads, {processor()['name']}, {machine_load()}")
     warn_if_busy()
     results = {fmt: measure(fmt, args, kernels) for fmt in args.formats}
     name = "pair_prefetch" if args.positions == 1 else f"pair_prefetch_p{args.positions}"

@@ -177,10 +177,11 @@ void set_stream_prefetch(int64_t bytes) {
 // How far ahead passes of several rows that read one stream per thread (more rows than the
 // format reads as pairs) fetch it, unless `set_pass_stream_prefetch` changes it: on the Zen 4
 // 4 KB, elsewhere as far as stream_prefetch(). Such a tile takes rows times as long over each
-// line as a one-row step, so a shorter distance covers the same time: on the Zen 4, 4 KB
-// against 20 KB took int4 passes over 9 positions to 0.94-0.98x the time, over 17 to
-// 0.97-1.11x, bfloat16 and float32 over 9 to 0.91-0.98x, int8 over 9 to 0.98-1.08x
-// (benchmarks/pair_prefetch.py --positions 9 and 17; NOTES.md, "The Zen 4 a fourth time").
+// line as a one-row step, so a shorter distance covers the same time: on the Zen 4, with 4 KB
+// in place, 20 KB took int4 passes over 9 / 17 positions 1.03-1.04x / 1.01x the time, int8
+// over 9 1.02-1.03x, bfloat16 over 9 1.08-1.11x (benchmarks/stack_ab.py with
+// variants/pass_streams_fetched_20_kb_ahead.patch; benchmarks/pair_prefetch.py --positions 9
+// compares distances; NOTES.md, "The Zen 4 a fourth time").
 int64_t default_pass_stream_prefetch() {
   __builtin_cpu_init();
   const bool zen4 = __builtin_cpu_is("amdfam19h") && __builtin_cpu_supports("avx512f");
@@ -2319,9 +2320,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_pair_prefetch", &set_pair_prefetch,
         "how many bytes ahead each of a product's two streams per thread is fetched in software (0: by the hardware alone)");
   m.def("pair_prefetch", &pair_prefetch, "how many bytes ahead a product's two streams per thread are fetched");
-  m.def("set_pass_pair_prefetch", &set_pass_pair_prefetch, "how many bytes ahead products of 5 rows or more that "
-        "read two streams per thread fetch each in software (0: by the hardware alone)");
-  m.def("pass_pair_prefetch", &pass_pair_prefetch, "how many bytes ahead products of 5 rows or more fetch their pairs");
+  m.def("set_pass_pair_prefetch", &set_pass_pair_prefetch, "how many bytes ahead products of pass_pair_rows rows or "
+        "more that read two streams per thread fetch each in software (0: by the hardware alone)");
+  m.def("pass_pair_prefetch", &pass_pair_prefetch,
+        "how many bytes ahead products of pass_pair_rows rows or more fetch their pairs");
   m.def("pass_pair_rows", &pass_pair_rows_of, "from how many rows a product that reads two streams per thread "
         "fetches them pass_pair_prefetch() ahead, in weights 'int4', 'int8', 'float32', 'bfloat16' or 'float16'",
         py::arg("weights"));
