@@ -174,6 +174,12 @@ void set_stream_prefetch(int64_t bytes) {
   g_stream_prefetch.store(bytes, std::memory_order_relaxed);
 }
 
+// An AMD family 19h core with AVX-512: the Zen 4 (the Zen 3 is family 19h without it).
+bool is_zen4() {
+  __builtin_cpu_init();  // this runs among the static initialisers
+  return __builtin_cpu_is("amdfam19h") && __builtin_cpu_supports("avx512f");
+}
+
 // How far ahead passes of several rows that read one stream per thread (more rows than the
 // format reads as pairs) fetch it, unless `set_pass_stream_prefetch` changes it: on the Zen 4
 // 4 KB, elsewhere as far as stream_prefetch(). Such a tile takes rows times as long over each
@@ -182,11 +188,7 @@ void set_stream_prefetch(int64_t bytes) {
 // over 9 1.02-1.03x, bfloat16 over 9 1.08-1.11x (benchmarks/stack_ab.py with
 // variants/pass_streams_fetched_20_kb_ahead.patch; benchmarks/pair_prefetch.py --positions 9
 // compares distances; NOTES.md, "The Zen 4 a fourth time").
-int64_t default_pass_stream_prefetch() {
-  __builtin_cpu_init();
-  const bool zen4 = __builtin_cpu_is("amdfam19h") && __builtin_cpu_supports("avx512f");
-  return zen4 ? 4 * 1024 : stream_prefetch();
-}
+int64_t default_pass_stream_prefetch() { return is_zen4() ? 4 * 1024 : stream_prefetch(); }
 std::atomic<int64_t> g_pass_stream_prefetch{default_pass_stream_prefetch()};
 inline int64_t pass_stream_prefetch() { return g_pass_stream_prefetch.load(std::memory_order_relaxed); }
 void set_pass_stream_prefetch(int64_t bytes) {
@@ -311,10 +313,10 @@ void for_each_region_piece(int64_t count, int64_t stride, int64_t unit_panels, c
 }
 
 // Products of up to this many rows read their panels as a one-row product does, two streams
-// per thread fetched pair_prefetch_for(rows) bytes ahead, where the format reads pairs with
-// that many rows (integers up to 8, floats up to 16), unless `set_pair_rows` changes it;
-// integer and float panels have a limit each. On the Intel Xeon these kernels were measured
-// on, one stream per thread fetched 20 KB ahead made passes of the 1.5B over 2 / 5 / 8 positions cost 1.49 /
+// per thread fetched pair_prefetch_for bytes ahead, where the format reads pairs with that
+// many rows (integers up to 8, floats up to 16), unless `set_pair_rows` changes it; integer
+// and float panels have a limit each. On the Intel Xeon these kernels were measured on, one
+// stream per thread fetched 20 KB ahead made passes of the 1.5B over 2 / 5 / 8 positions cost 1.49 /
 // 1.63 / 1.83 one-row steps in int4; read as pairs 1.11 / 1.23 / 1.67 (int8: 1.23 / 1.37 /
 // 1.70 against 1.06 / 1.17 / 1.41); over 5 / 9 positions in bfloat16 1.63 / 2.14 against 1.24
 // / 1.70, in float32 1.45 / 1.78 against 1.03 / 1.31, and over 9 / 12 in int4 1.87 / 2.56
@@ -331,8 +333,7 @@ enum class PanelKind { integer, floating };
 int64_t default_pair_rows(PanelKind kind) {
   __builtin_cpu_init();
   if (__builtin_cpu_is("intel")) return 16;
-  const bool zen4 = __builtin_cpu_is("amdfam19h") && __builtin_cpu_supports("avx512f");
-  if (!zen4) return 1;
+  if (!is_zen4()) return 1;
   return kind == PanelKind::integer ? 8 : 3;
 }
 std::atomic<int64_t> g_pair_rows[2] = {default_pair_rows(PanelKind::integer), default_pair_rows(PanelKind::floating)};
