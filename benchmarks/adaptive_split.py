@@ -20,8 +20,9 @@ are a plain step's mean within 3 steps after a speculative round and elsewhere, 
 requests that have both. Every --adaptive output must equal the plain output (VALID).
 
 With --variants, each prompt is decoded with --adaptive in several ways between the same two
-plain runs: `current` (the engine as it is), and two trials the engine does not carry:
-`first-look` (the draft reads only the last FIRST_LOOK positions before drafting until the
+plain runs: `current` (the engine as it is), `draft-only` (the engine without prompt
+lookup's drafts in the draft model's place: generate(lookup=False)), and trials the engine
+does not carry: `first-look` (the draft reads only the last FIRST_LOOK positions before drafting until the
 target keeps one of its drafts, then the last READY_LAG afresh: a failed probe costs a short
 pass), `light-prior` (the policy's prior on α worth one round, not two: after a first
 round whose drafts were all rejected, α = 0.3 instead of 0.4), `short-window` (the draft
@@ -136,7 +137,7 @@ class FirstDraftApartProposer(ReadingProposer):
 
 # the trials that draft through a proposer of their own; the rest change generate() (policy())
 PROPOSERS = {"first-look": FirstLookProposer, "first-draft-apart": FirstDraftApartProposer}
-VARIANTS = ["current", "first-look", "light-prior", "short-window", "first-draft-apart"]
+VARIANTS = ["current", "draft-only", "first-look", "light-prior", "short-window", "first-draft-apart"]
 
 
 @contextmanager
@@ -186,6 +187,7 @@ def split(plain_runs: list, run, passes: list, proposer: ReadingProposer) -> dic
         "spec_tokens": spec_tokens,
         "catch_ups": len(proposer.catch_ups), "catch_up_s": run.spec.catch_up_s,
         "catch_up_read": sum(n for _, n in proposer.catch_ups),
+        "lookup_drafted": run.spec.lookup_drafted, "lookup_accepted": run.spec.lookup_accepted,
     }
     record["other_s"] = record["adaptive_s"] - record["plain_rounds_s"] - record["verify_s"] - record["draft_s"] \
         - record["catch_up_s"]
@@ -233,7 +235,7 @@ def requests(target, draft, prompt: str, tokens: int, gamma: int, variants: list
         proposer = kind(DraftModelProposer(draft))
         with policy(name):
             result, passes = timed_run(target, prompt, max_tokens=tokens, draft=proposer, gamma=gamma,
-                                       adaptive="cost")
+                                       adaptive="cost", lookup=name != "draft-only")
         runs[name] = (result, passes, proposer)
     after = timed_run(target, prompt, max_tokens=tokens)
     return {name: split([before, after], *run) for name, run in runs.items()}
@@ -255,18 +257,19 @@ def main() -> int:
     target, draft, record = load_pair(args, "where --adaptive's time goes", f"{args.tokens} tokens")
     record.update(tokens=args.tokens, variants=args.variants, requests=[])
     ms = lambda s: f"{1e3 * s:6.0f}"  # noqa: E731
-    print(f"  {'category':>14} {'variant':>7} {'prompt':>6} {'out':>4} {'ratio':>6} | {'plain':>6} | "
-          f"{'steps':>11} {'spec rounds':>12} {'verify':>6} {'draft':>6} {'catch-up':>13} {'other':>6} | "
-          f"{'gain':>6} {'steps+':>6} | {'near':>5} {'far':>5} {'pass':>5}  (ms; kept/drafted; catch-ups x "
+    print(f"  {'category':>14} {'variant':>10} {'prompt':>6} {'out':>4} {'ratio':>6} | {'plain':>6} | "
+          f"{'steps':>11} {'spec rounds':>12} {'lookup':>7} {'verify':>6} {'draft':>6} {'catch-up':>13} {'other':>6} | "
+          f"{'gain':>6} {'steps+':>6} | {'near':>5} {'far':>5} {'pass':>5}  (ms; kept/drafted, then prompt lookup's of them; catch-ups x "
           f"positions read; a plain step's mean near a speculative round, far from one, in plain runs)")
     for category in args.categories:
         for prompt in load_prompts(f"spec-bench:{category}", limit=args.prompts):
             for name, r in requests(target, draft, prompt.text, args.tokens, args.gamma, args.variants).items():
                 r.update(category=category, variant=name)
                 record["requests"].append(r)
-                print(f"  {category:>14} {name:>7} {r['prompt_tokens']:>6} {r['tokens']:>4} {r['ratio']:>5.2f}x | "
+                print(f"  {category:>14} {name:>10} {r['prompt_tokens']:>6} {r['tokens']:>4} {r['ratio']:>5.2f}x | "
                       f"{ms(r['plain_s'])} | {r['plain_rounds']:>4} {ms(r['plain_rounds_s'])} {r['spec_rounds']:>4} "
-                      f"{r['accepted']:>3}/{r['drafted']:<3} {ms(r['verify_s'])} {ms(r['draft_s'])} "
+                      f"{r['accepted']:>3}/{r['drafted']:<3} {r['lookup_accepted']:>3}/{r['lookup_drafted']:<3} "
+                      f"{ms(r['verify_s'])} {ms(r['draft_s'])} "
                       f"{r['catch_ups']:>2}x{r['catch_up_read']:>4} {ms(r['catch_up_s'])} {ms(r['other_s'])} | "
                       f"{ms(r['gain_s'])} {ms(r['plain_extra_s'])} | {r['near_ms']:5.1f} {r['far_ms']:5.1f} "
                       f"{1e3 * r['plain_pass_s']:5.1f}  {'VALID' if r['valid'] else 'INVALID'}")

@@ -1052,8 +1052,10 @@ def test_adaptive_split_accounts_for_every_pass_and_its_trials_keep_the_output(f
     adaptive_split = importlib.import_module("adaptive_split")
     target = load_model(folder)
     prompt = "the cat sat on the mat. " * 4  # longer than READY_LAG tokens
-    records = adaptive_split.requests(target, target, prompt, 30, 4,
-                                      ["current", "first-look", "light-prior", "short-window", "first-draft-apart"])
+    records = adaptive_split.requests(target, target, prompt, 30, 4, adaptive_split.VARIANTS)
+    assert set(records) == {"current", "draft-only", "first-look", "light-prior", "short-window",
+                            "first-draft-apart"}
+    assert records["draft-only"]["lookup_drafted"] == 0
     for name, r in records.items():
         assert r["valid"], name
         assert r["spec_rounds"] >= 1, name  # the first probe, at least

@@ -277,9 +277,57 @@ def test_cost_aware_policy_prices_a_draft_step_not_a_draft_token():
     assert policy.draft_step_s == pytest.approx(0.008)
 
 
+def test_cost_aware_policy_sends_prompt_lookups_drafts_where_they_promise_more():
+    """Prompt lookup's drafts cost only the verification's extra positions: the policy sends
+    them in a plain step's place, or the draft model's, where their own acceptance makes the
+    rate higher, and learns that acceptance apart from the draft model's."""
+    from verispec.spec.gamma import CostAwareGamma
+
+    policy = CostAwareGamma()
+    assert policy.lookup_gamma(4, 0) == 0  # the draft model's costs come first
+    policy.update(0, 0, 0.0, 0.050)  # a plain step: 50 ms
+    policy.verify_s.update({m: 0.050 + 0.004 * m for m in range(2, 18)})
+    policy.update(2, 0, 0.020, 0.058)  # the draft model: 10 ms a step, both drafts rejected
+    alpha = policy.alpha
+    for _ in range(5):  # lookup's drafts mostly kept
+        policy.update(4, 4, 0.0, 0.070, lookup=True)
+    assert policy.alpha == alpha and policy.draft_step_s == pytest.approx(0.010)  # the model's estimates stand
+    assert policy.lookup_alpha > 0.8
+    assert policy.lookup_gamma(6, 0) >= 4  # most of them, over a plain step
+    assert policy.lookup_gamma(6, 3) >= 4  # and over the draft model's three
+    assert policy.lookup_gamma(2, 0) == 2
+    for _ in range(20):  # then lookup fails every time
+        policy.update(3, 0, 0.0, 0.062, lookup=True)
+    assert policy.lookup_alpha < 0.3
+    policy.verify_s.update({m: 0.050 + 0.010 * m for m in range(2, 18)})  # and its positions cost more
+    assert policy.lookup_gamma(6, 0) == 0  # a plain step promises more
+    for _ in range(10):  # the draft model does well
+        policy.update(4, 4, 0.040, 0.066)
+    assert policy.lookup_gamma(6, 4) == 0
+
+
+def test_adaptive_sends_prompt_lookups_drafts_and_the_output_stays_the_targets(target):
+    """A text that repeats itself gives prompt lookup continuations: with --adaptive and a
+    draft model, some rounds send them in the draft model's place, counted apart; greedy
+    output is the target's own either way, and `lookup=False` keeps to the draft model."""
+    prompt = PROMPT * 4
+    plain = generate(target, prompt, max_tokens=60, ignore_eos=True)
+    mixed = generate(target, prompt, draft=target, gamma=4, adaptive="cost", max_tokens=60, ignore_eos=True)
+    assert mixed.token_ids == plain.token_ids
+    assert_accounting(mixed)
+    assert 0 < mixed.spec.lookup_drafted <= mixed.spec.drafted
+    assert 0 <= mixed.spec.lookup_accepted <= min(mixed.spec.accepted, mixed.spec.lookup_drafted)
+    alone = generate(target, prompt, draft=target, gamma=4, adaptive="cost", max_tokens=60, ignore_eos=True,
+                     lookup=False)
+    assert alone.token_ids == plain.token_ids and alone.spec.lookup_drafted == 0
+    fixed = generate(target, prompt, draft=target, gamma=4, max_tokens=60, ignore_eos=True)
+    assert fixed.spec.lookup_drafted == 0  # a fixed γ is the draft model's alone
+
+
 def test_adaptive_draft_stops_reading_when_speculation_does_not_pay(target, unrelated):
     """With drafts that are always wrong, --adaptive decodes plainly and the draft reads only
-    the recent context before its rare probes, not every token."""
+    the recent context before its rare probes, not every token (prompt lookup, which the
+    tiny model's loops would feed, left out)."""
     from verispec.spec.draft_model import DraftModelProposer
 
     proposer = DraftModelProposer(unrelated, vocab_limit=target.config.vocab_size)
@@ -288,7 +336,7 @@ def test_adaptive_draft_stops_reading_when_speculation_does_not_pay(target, unre
     unrelated.model.forward = lambda ids, *a, **k: (read.append(ids.shape[1]), forward(ids, *a, **k))[1]
     try:
         result = generate(target, PROMPT, draft=proposer, gamma=4, adaptive="cost", max_tokens=200,
-                          ignore_eos=True)
+                          ignore_eos=True, lookup=False)
     finally:
         unrelated.model.forward = forward
     assert result.token_ids == generate(target, PROMPT, max_tokens=200, ignore_eos=True).token_ids

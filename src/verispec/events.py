@@ -46,6 +46,8 @@ class SpecStats:
     drafted_by_position: list[int] = field(default_factory=list)
     draft_s: float = 0.0
     catch_up_s: float = 0.0  # of draft_s: the draft reading context it had skipped (--adaptive)
+    lookup_drafted: int = 0  # of drafted and accepted: prompt lookup's, in a draft model's place (--adaptive)
+    lookup_accepted: int = 0
     verify_s: float = 0.0
     gammas: list[int] = field(default_factory=list)  # γ of every round, for adaptive schedules
 

@@ -20,6 +20,7 @@ from verispec.errors import ContextOverflowError, VerispecError
 from verispec.events import Event, Finished, GenerationResult, SpecStats, Timings, Token
 from verispec.sampling import SamplingParams, next_token
 from verispec.spec.gamma import make_policy
+from verispec.spec.prompt_lookup import PromptLookupProposer
 from verispec.spec.proposer import Proposer
 from verispec.spec.verifier import verify_greedy, verify_sampling
 from verispec.values import is_whole
@@ -31,6 +32,10 @@ MAX_GAMMA = 32
 # draft kept reading while speculation does not pay, would cost a large part of a short
 # request, and --adaptive promises never to be much slower than plain decoding.
 READY_LAG = 32
+# With --adaptive, a draft model's rounds may send prompt lookup's drafts instead, where the
+# context has a continuation for its last LOOKUP_NGRAM tokens (longest first): lookup sees the
+# whole context for nothing. A single repeated token is too weak a sign to bet a round on.
+LOOKUP_NGRAM = (3, 2)
 
 
 class TextAssembler:
@@ -162,7 +167,6 @@ def make_proposer(draft, target, ngram: tuple[int, int] = (3, 1), draft_vocab: i
     if draft is None:
         return None
     if draft == "ngram":
-        from verispec.spec.prompt_lookup import PromptLookupProposer
         return PromptLookupProposer(max_ngram=ngram[0], min_ngram=ngram[1])
     if is_model:
         from verispec.spec.compat import check_tokenizers
@@ -181,9 +185,11 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
            top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
            stop: str | Sequence[str] | None = (),
            chat: bool = False, ignore_eos: bool = False, ngram: tuple[int, int] = (3, 1),
-           draft_vocab: int | None = None) -> Iterator[Event]:
+           draft_vocab: int | None = None, lookup: bool = True) -> Iterator[Event]:
     """Decode from `target` (a LoadedModel); with `draft`, speculatively. Yields Token events, then Finished.
-    With `draft_vocab`, a draft model proposes only the first `draft_vocab` token ids."""
+    With `draft_vocab`, a draft model proposes only the first `draft_vocab` token ids. With
+    `adaptive` (cost-aware) and a draft model, rounds may send prompt lookup's drafts in the
+    draft model's place where that promises more; `lookup=False` keeps to the draft model."""
     if not is_whole(max_tokens, 1):
         raise VerispecError(f"max tokens must be a whole number >= 1, got {max_tokens!r}")
     if not is_whole(gamma, 0, MAX_GAMMA):
@@ -252,6 +258,8 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
         stats.plain = 0
     decode_started = time.perf_counter()
     lazy = bool(adaptive) and hasattr(proposer, "catch_up")
+    weighs_lookup = lookup and lazy and hasattr(policy, "lookup_gamma")
+    lookup = PromptLookupProposer(*LOOKUP_NGRAM) if weighs_lookup else None
     if proposer is not None and finish is None:
         t0 = time.perf_counter()
         proposer.start(prompt_ids, max_len, **({"prefill": False} if lazy else {}))
@@ -262,6 +270,10 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
         g = min(policy.choose(), remaining - 1, max_len - len(context) - 1) if proposer else 0
         g = max(g, 0)
         drafts, draft_probs, draft_s, draft_steps = [], None, 0.0, None
+        looked_up = lookup is not None and _look_up(lookup, policy, context, g,
+                                                    min(remaining - 1, max_len - len(context) - 1))
+        if looked_up:
+            drafts, g = looked_up, 0  # the draft model sits this round out
         if g > 0 and lazy and proposer.lag(context) > 2:
             t0 = time.perf_counter()  # drafting time, but not the cost of drafts the policy weighs
             proposer.catch_up(context, READY_LAG)
@@ -287,7 +299,10 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
         verify_s = time.perf_counter() - t0
         stats.draft_s += draft_s
         stats.verify_s += verify_s
-        policy.update(len(drafts), verdict.accepted, draft_s, verify_s, draft_steps)
+        policy.update(len(drafts), verdict.accepted, draft_s, verify_s, draft_steps, lookup=bool(looked_up))
+        if looked_up:
+            stats.lookup_drafted += len(drafts)
+            stats.lookup_accepted += verdict.accepted
 
         new = verdict.tokens(drafts)
         last_kind = "target" if not drafts else ("bonus" if verdict.bonus else "recovered")
@@ -305,6 +320,13 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     result = GenerationResult(text.text, out_ids, origins, len(prompt_ids), finish, timings,
                               stats if proposer is not None else None)
     yield Finished(result, tail=tail)
+
+
+def _look_up(lookup: PromptLookupProposer, policy, context: list[int], gamma: int, room: int) -> list[int]:
+    """Prompt lookup's drafts for this round, if the policy prefers them to γ of the draft
+    model's (or to a plain step); [] otherwise. `room`: the most drafts the round may hold."""
+    found = lookup.lookup(context, room) if room > 0 else []
+    return found[:policy.lookup_gamma(len(found), gamma)] if found else []
 
 
 def _count(stats: SpecStats, drafts: list[int], verdict, emitted: int) -> None:

@@ -42,6 +42,8 @@ def decoding_summary(result: GenerationResult, draft: str | None) -> dict[str, A
         mean_gamma=round(sum(drafting_rounds) / len(drafting_rounds), 2) if drafting_rounds else 0.0,
         draft_s=round(spec.draft_s, 4),
         catch_up_s=round(spec.catch_up_s, 4),
+        lookup_drafted=spec.lookup_drafted,
+        lookup_accepted=spec.lookup_accepted,
         verify_s=round(spec.verify_s, 4),
     )
     return out

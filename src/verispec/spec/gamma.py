@@ -9,6 +9,12 @@ in this very request. γ = 0 is plain decoding; the policy falls back to it
 when speculation does not promise at least `margin` more (what the formula leaves
 out, the draft's reading and the bookkeeping, comes off any gain), and probes now
 and then to notice a change, ever more rarely while it does not pay.
+
+A draft model with --adaptive reads only the recent context (see `generate`), but prompt
+lookup sees all of it for nothing: a summary copies phrases of an article the draft never
+read. Where lookup finds a continuation, the policy weighs sending it instead of the draft
+model's round (or of a plain step) by the same rate, with lookup's own acceptance and no
+drafting cost.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ class FixedGamma:
         return self.gamma
 
     def update(self, gamma: int, accepted: int, draft_s: float, verify_s: float,
-               draft_steps: int | None = None) -> None:
+               draft_steps: int | None = None, lookup: bool = False) -> None:
         pass
 
 
@@ -45,7 +51,7 @@ class HeuristicGamma:
         return self.gamma
 
     def update(self, gamma: int, accepted: int, draft_s: float, verify_s: float,
-               draft_steps: int | None = None) -> None:
+               draft_steps: int | None = None, lookup: bool = False) -> None:
         if gamma == 0:
             return
         step = 2 if accepted == gamma else -1
@@ -67,11 +73,20 @@ class CostAwareGamma:
     verify_s: dict[int, float] = field(default_factory=dict)
     plain_rounds: int = 0
     probe_interval: int = 0  # plain rounds until the next probe; doubles after each probe that fails
+    lookup_kept: float = 0.0  # prompt lookup's drafts, weighed as the draft model's are
+    lookup_rejected: float = 0.0
 
     @property
     def alpha(self) -> float:
-        kept = self.kept + self.prior_alpha * self.prior_weight
-        rejected = self.rejected + (1 - self.prior_alpha) * self.prior_weight
+        return self._estimate(self.kept, self.rejected)
+
+    @property
+    def lookup_alpha(self) -> float:
+        return self._estimate(self.lookup_kept, self.lookup_rejected)
+
+    def _estimate(self, kept: float, rejected: float) -> float:
+        kept += self.prior_alpha * self.prior_weight
+        rejected += (1 - self.prior_alpha) * self.prior_weight
         return kept / (kept + rejected)
 
     def verify_time(self, positions: int) -> float | None:
@@ -120,14 +135,36 @@ class CostAwareGamma:
             self.plain_rounds, self.probe_interval = 0, 0
         return best_gamma
 
+    def lookup_gamma(self, available: int, gamma: int) -> int:
+        """How many of prompt lookup's `available` drafts to send in place of this round's γ
+        (the draft model's drafts, or a plain step if 0); 0 keeps the round as it was.
+        Lookup costs only the verification's extra positions."""
+        if self.draft_step_s is None or 1 not in self.verify_s:
+            return 0  # the draft model's costs are measured first
+        if gamma == 0:
+            rate = (1.0 + self.margin) / min(self.verify_s.values())
+        else:
+            rate = expected_tokens(self.alpha, gamma) / (gamma * self.draft_step_s + self.verify_time(gamma + 1))
+        alpha, best = self.lookup_alpha, 0
+        for n in range(1, min(available, self.max_gamma) + 1):
+            candidate = expected_tokens(alpha, n) / self.verify_time(n + 1)
+            if candidate > rate:
+                best, rate = n, candidate
+        return best
+
     def _blend(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
     def update(self, gamma: int, accepted: int, draft_s: float, verify_s: float,
-               draft_steps: int | None = None) -> None:
-        """One round: γ drafts that took `draft_steps` draft steps (γ unless given), `accepted` kept."""
+               draft_steps: int | None = None, lookup: bool = False) -> None:
+        """One round: γ drafts that took `draft_steps` draft steps (γ unless given), `accepted`
+        kept; with `lookup`, prompt lookup's drafts, which say nothing of the draft model's."""
         self.verify_s[gamma + 1] = self._blend(self.verify_s.get(gamma + 1), verify_s)
         if gamma == 0:
+            return
+        if lookup:
+            self.lookup_kept = self.decay * self.lookup_kept + accepted
+            self.lookup_rejected = self.decay * self.lookup_rejected + (1 if accepted < gamma else 0)
             return
         steps = gamma if draft_steps is None else draft_steps
         if steps > 0:  # a step's cost, not a token's: a first draft that came free says nothing of it
