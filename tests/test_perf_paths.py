@@ -1128,3 +1128,23 @@ def test_adaptive_probe_times_the_drafts_part_both_ways_with_the_same_drafts(fol
     r = adaptive_probe.draft_side(draft, prompts, rounds=2, lag=6)
     assert r["same_drafts"] and r["pairs"] == 4
     assert r["merged_ms"] > 0 and r["apart_ms"] > 0 and r["ratio"] > 0
+
+
+def test_draft_context_measures_agreement_by_window_and_lookup_on_a_model_against_itself(folder, monkeypatch):
+    """benchmarks/draft_context.py: a draft that is the target itself and reads the whole
+    prompt agrees with every greedy token; lookup's shares are shares; the reading cost is
+    a time per position."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    draft_context = importlib.import_module("draft_context")
+    target = load_model(folder)
+    prompt_ids = target.tokenizer.encode("the cat sat on the mat. " * 6)
+    with torch.inference_mode():
+        answer = draft_context.greedy_answer(target, prompt_ids, 20)
+        assert 0 < len(answer) <= 20
+        assert draft_context.agreement(target, prompt_ids, answer, len(prompt_ids), 0) == 1.0
+        assert 0.0 <= draft_context.agreement(target, prompt_ids, answer, 4, 2) <= 1.0
+        found, right = draft_context.lookup_agreement(prompt_ids, answer)
+        assert 0.0 < found <= 1.0 and 0.0 <= right <= 1.0  # the repeated text gives lookup something
+        assert draft_context.reading_ms(target, prompt_ids) > 0
