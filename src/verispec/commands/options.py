@@ -104,7 +104,9 @@ def add_model_options(parser: argparse.ArgumentParser, draft: bool = True) -> No
                             help="tokens drafted per round")
         parser.add_argument("--adaptive", nargs="?", const="cost", choices=["cost", "heuristic"], default=False,
                             help="choose γ each round: 'cost' (default; from measured acceptance and costs, "
-                                 "falls back to plain decoding) or 'heuristic' (+2 on full accept, -1 otherwise)")
+                                 "falls back to plain decoding, and with a draft model sends prompt lookup's "
+                                 "drafts instead where they promise more) or 'heuristic' (+2 on full accept, "
+                                 "-1 otherwise)")
         add_ngram_option(parser)
 
 
