@@ -259,7 +259,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     decode_started = time.perf_counter()
     lazy = bool(adaptive) and hasattr(proposer, "catch_up")
     weighs_lookup = lookup and lazy and hasattr(policy, "lookup_gamma")
-    lookup = PromptLookupProposer(*LOOKUP_NGRAM) if weighs_lookup else None
+    lookup_proposer = PromptLookupProposer(*LOOKUP_NGRAM) if weighs_lookup else None
     if proposer is not None and finish is None:
         t0 = time.perf_counter()
         proposer.start(prompt_ids, max_len, **({"prefill": False} if lazy else {}))
@@ -270,8 +270,8 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
         g = min(policy.choose(), remaining - 1, max_len - len(context) - 1) if proposer else 0
         g = max(g, 0)
         drafts, draft_probs, draft_s, draft_steps = [], None, 0.0, None
-        looked_up = lookup is not None and _look_up(lookup, policy, context, g,
-                                                    min(remaining - 1, max_len - len(context) - 1))
+        looked_up = _look_up(lookup_proposer, policy, context, g,
+                             min(remaining - 1, max_len - len(context) - 1)) if lookup_proposer else []
         if looked_up:
             drafts, g = looked_up, 0  # the draft model sits this round out
         if g > 0 and lazy and proposer.lag(context) > 2:
