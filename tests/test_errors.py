@@ -128,6 +128,9 @@ def test_bad_option_values(folder, capsys, argv, message):
     (["--draft-weights", "int4"], "there is no --draft"),
     (["--draft", "ngram", "--draft-weights", "int4"], "prompt lookup loads no model"),
     (["--adaptive"], "there is no --draft"),
+    (["--no-lookup"], "there is no draft model"),
+    (["--draft", "ngram", "--no-lookup", "--adaptive"], "there is no draft model"),
+    (["--draft", "some-draft", "--no-lookup"], "--adaptive cost is not on"),
 ])
 def test_draft_options_without_a_draft_are_refused_before_loading(folder, capsys, monkeypatch, command, argv,
                                                                     message):

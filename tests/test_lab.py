@@ -537,6 +537,21 @@ def test_generate_prints_both_loads_and_the_speculative_counts(models, capsys):
     assert code == 0 and "(draft" not in out  # prompt lookup loads nothing
 
 
+def test_generate_no_lookup_keeps_adaptive_rounds_to_the_draft_model(models, capsys):
+    """--adaptive with a draft model sends prompt lookup's drafts where a repeating text has
+    them; --no-lookup leaves them out. The tokens are the same either way."""
+    argv = ["generate", "--model", models / "target", "--draft", models / "same", "--adaptive", "-n", "40",
+            "--ignore-eos", "--json", "the cat sat on the mat. " * 4]
+    runs = []
+    for extra in ([], ["--no-lookup"]):
+        code, out = run_cli(capsys, *argv[:-1], *extra, argv[-1])
+        assert code == 0
+        runs.append(json.loads(out))
+    mixed, alone = runs
+    assert mixed["spec"]["lookup_drafted"] > 0 and alone["spec"]["lookup_drafted"] == 0
+    assert mixed["token_ids"] == alone["token_ids"]
+
+
 def test_bench_cli_with_a_16_bit_cache_keeps_its_runs_apart(models, prompt_file, tmp_path, capsys, clock):
     """Runs over a bfloat16 cache say so, and a results file resumed with another cache type
     runs them again rather than reusing the float32 ones."""

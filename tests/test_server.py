@@ -467,6 +467,21 @@ def test_requests_queue_for_the_model_while_health_and_metrics_answer(target):
     assert not engine.lock.locked()
 
 
+def test_serving_with_no_lookup_keeps_adaptive_rounds_to_the_draft_model(target):
+    """`verispec serve --no-lookup` (create_app(lookup=False)): every request decodes without
+    prompt lookup's drafts in the draft model's place; by default they may be sent."""
+    from verispec.generate import generate as run
+    from verispec.server.schemas import CompletionRequest
+
+    request = CompletionRequest(prompt=PROMPT * 3, max_tokens=30, ignore_eos=True, temperature=0)
+    for lookup in (True, False):
+        engine = create_app(target, draft=target, gamma=4, adaptive="cost", lookup=lookup).state.engine
+        options = engine.completion_job(request).options
+        assert options["lookup"] is lookup
+        result = run(target, PROMPT * 3, **options)
+        assert (result.spec.lookup_drafted > 0) is lookup
+
+
 def test_a_client_leaving_mid_stream_frees_the_model(target):
     from verispec.events import Token
     from verispec.server.schemas import CompletionRequest

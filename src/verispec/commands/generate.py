@@ -43,7 +43,8 @@ def run(args) -> int:
     events = stream(target, prompt, draft=draft, gamma=args.gamma, adaptive=args.adaptive,
                     max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat,
-                    ignore_eos=args.ignore_eos, ngram=tuple(args.ngram), draft_vocab=args.draft_vocab)
+                    ignore_eos=args.ignore_eos, ngram=tuple(args.ngram), draft_vocab=args.draft_vocab,
+                    lookup=not args.no_lookup)
     console = Console(highlight=False)
     result = None
     for event in events:

@@ -107,6 +107,9 @@ def add_model_options(parser: argparse.ArgumentParser, draft: bool = True) -> No
                                  "falls back to plain decoding, and with a draft model sends prompt lookup's "
                                  "drafts instead where they promise more) or 'heuristic' (+2 on full accept, "
                                  "-1 otherwise)")
+        parser.add_argument("--no-lookup", action="store_true",
+                            help="with --adaptive and a draft model, never send prompt lookup's drafts in the "
+                                 "draft model's place")
         add_ngram_option(parser)
 
 
@@ -144,6 +147,10 @@ def check_draft_options(args) -> None:
     if getattr(args, "adaptive", False) and draft is None:
         raise VerispecError("--adaptive chooses how many tokens a draft proposes, but there is no --draft "
                             "(a draft model, or ngram for prompt lookup)")
+    if getattr(args, "no_lookup", False) and (getattr(args, "adaptive", False) != "cost" or draft in (None, "ngram")):
+        raise VerispecError("--no-lookup keeps --adaptive's rounds to the draft model, but "
+                            + ("there is no draft model" if draft in (None, "ngram")
+                               else "--adaptive cost is not on"))
 
 
 def load_target_and_draft(args) -> tuple:

@@ -49,6 +49,7 @@ def run(args) -> int:
     check_port_free(args.host, args.port)
     target, draft = load_target_and_draft(args)
     app = create_app(target, draft=draft, gamma=args.gamma, adaptive=args.adaptive, ngram=tuple(args.ngram),
-                     served_model_name=args.served_model_name, draft_vocab=args.draft_vocab)
+                     served_model_name=args.served_model_name, draft_vocab=args.draft_vocab,
+                     lookup=not args.no_lookup)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

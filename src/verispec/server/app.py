@@ -52,7 +52,7 @@ class Engine:
 
     def __init__(self, target, draft=None, gamma: int = 4, adaptive: bool | str = False,
                  ngram: tuple[int, int] = (3, 1), served_model_name: str | None = None,
-                 draft_vocab: int | None = None):
+                 draft_vocab: int | None = None, lookup: bool = True):
         if not 0 <= gamma <= MAX_GAMMA:
             raise VerispecError(f"gamma must be between 0 and {MAX_GAMMA}, got {gamma}")
         adaptive = "cost" if adaptive is True else adaptive
@@ -63,7 +63,7 @@ class Engine:
         # built once, so a draft whose tokenizer differs from the target's fails at start-up
         self.proposer = make_proposer(draft, target, ngram, draft_vocab)
         self.draft_name = getattr(self.proposer, "name", None) if self.proposer is not None else None
-        self.gamma, self.adaptive = gamma, adaptive
+        self.gamma, self.adaptive, self.lookup = gamma, adaptive, lookup
         self.context_size = target.config.max_position_embeddings
         self.created = int(time.time())
         self.lock = asyncio.Lock()
@@ -113,6 +113,7 @@ class Engine:
             draft=self.proposer,
             gamma=self.gamma,
             adaptive=self.adaptive,
+            lookup=self.lookup,
         )
         return Job(prompt_ids, options)
 
@@ -167,7 +168,7 @@ class Engine:
 
 def create_app(target, draft=None, gamma: int = 4, adaptive: bool | str = False,
                ngram: tuple[int, int] = (3, 1), served_model_name: str | None = None,
-               draft_vocab: int | None = None) -> FastAPI:
+               draft_vocab: int | None = None, lookup: bool = True) -> FastAPI:
     """A FastAPI app serving `target` (a LoadedModel), speculatively when `draft` is given.
 
     `draft`: None, a LoadedModel with the target's tokenizer, "ngram" (prompt lookup), or a
@@ -175,7 +176,7 @@ def create_app(target, draft=None, gamma: int = 4, adaptive: bool | str = False,
     """
     from verispec import __version__
 
-    engine = Engine(target, draft, gamma, adaptive, ngram, served_model_name, draft_vocab)
+    engine = Engine(target, draft, gamma, adaptive, ngram, served_model_name, draft_vocab, lookup)
     # strict_content_type=False: a JSON body sent without a Content-Type header is still read as JSON
     app = FastAPI(title="verispec", version=__version__, strict_content_type=False,
                   description="OpenAI-compatible API over speculative decoding that never changes the answer.")
