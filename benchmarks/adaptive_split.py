@@ -258,9 +258,10 @@ def main() -> int:
     record.update(tokens=args.tokens, variants=args.variants, requests=[])
     ms = lambda s: f"{1e3 * s:6.0f}"  # noqa: E731
     print(f"  {'category':>14} {'variant':>10} {'prompt':>6} {'out':>4} {'ratio':>6} | {'plain':>6} | "
-          f"{'steps':>11} {'spec rounds':>12} {'lookup':>7} {'verify':>6} {'draft':>6} {'catch-up':>13} {'other':>6} | "
-          f"{'gain':>6} {'steps+':>6} | {'near':>5} {'far':>5} {'pass':>5}  (ms; kept/drafted, then prompt lookup's of them; catch-ups x "
-          f"positions read; a plain step's mean near a speculative round, far from one, in plain runs)")
+          f"{'steps':>11} {'spec rounds':>12} {'lookup':>7} {'verify':>6} {'draft':>6} {'catch-up':>13} "
+          f"{'other':>6} | {'gain':>6} {'steps+':>6} | {'near':>5} {'far':>5} {'pass':>5}  (ms; kept/drafted, "
+          f"then prompt lookup's of them; catch-ups x positions read; a plain step's mean near a speculative "
+          f"round, far from one, in plain runs)")
     for category in args.categories:
         for prompt in load_prompts(f"spec-bench:{category}", limit=args.prompts):
             for name, r in requests(target, draft, prompt.text, args.tokens, args.gamma, args.variants).items():

@@ -147,10 +147,10 @@ def check_draft_options(args) -> None:
     if getattr(args, "adaptive", False) and draft is None:
         raise VerispecError("--adaptive chooses how many tokens a draft proposes, but there is no --draft "
                             "(a draft model, or ngram for prompt lookup)")
-    if getattr(args, "no_lookup", False) and (getattr(args, "adaptive", False) != "cost" or draft in (None, "ngram")):
+    no_model = draft in (None, "ngram")
+    if getattr(args, "no_lookup", False) and (no_model or getattr(args, "adaptive", False) != "cost"):
         raise VerispecError("--no-lookup keeps --adaptive's rounds to the draft model, but "
-                            + ("there is no draft model" if draft in (None, "ngram")
-                               else "--adaptive cost is not on"))
+                            + ("there is no draft model" if no_model else "--adaptive cost is not on"))
 
 
 def load_target_and_draft(args) -> tuple:
