@@ -28,17 +28,9 @@ from perf_common import add_pair_arguments, load_pair, save
 
 
 def greedy_answer(target, prompt_ids: list[int], tokens: int) -> list[int]:
-    model, eos = target.model, target.tokenizer.eos_ids
-    cache = model.new_cache(len(prompt_ids) + tokens + 1)
-    logits = model(torch.tensor([prompt_ids]), cache, last_only=True)[0, -1]
-    answer: list[int] = []
-    while len(answer) < tokens:
-        token = int(logits.argmax())
-        if token in eos:
-            break
-        answer.append(token)
-        logits = model(torch.tensor([[token]]), cache)[0, -1]
-    return answer
+    from verispec.generate import generate
+
+    return generate(target, prompt_ids, max_tokens=tokens).token_ids
 
 
 def agreement(draft, prompt_ids: list[int], answer: list[int], window: int, sink: int) -> float:
@@ -91,7 +83,8 @@ def main() -> int:
     from verispec.generate import encode_prompt
     from verispec.lab.prompts import load_prompts
 
-    target, draft, record = load_pair(args, "the draft's context", f"{args.tokens} tokens")
+    target, draft, record = load_pair(args, "the draft's context",
+                                      f"{args.tokens} tokens" + (f", the first {args.sink} read too" if args.sink else ""))
     record.update(tokens=args.tokens, sink=args.sink, requests=[])
     with torch.inference_mode():
         for category in args.categories:

@@ -112,15 +112,9 @@ class CostAwareGamma:
         if self.draft_step_s is None or 1 not in self.verify_s:
             # measure both costs first: one plain step, then a short speculative round
             return 0 if 1 not in self.verify_s else self.probe_gamma
-        alpha = self.alpha
-        # A pass over more positions costs at least a one-position pass, so the cheapest pass
-        # seen bounds t(1): plain steps are timed only while decoding plainly, and a slow
-        # first one would otherwise make speculation look better than it is for good.
-        plain_step = min(self.verify_s.values())
-        best_gamma, best_rate = 0, (1.0 + self.margin) / plain_step
+        best_gamma, best_rate = 0, self._plain_rate()
         for gamma in range(1, self.max_gamma + 1):
-            cost = gamma * self.draft_step_s + self.verify_time(gamma + 1)
-            rate = expected_tokens(alpha, gamma) / cost
+            rate = self._draft_rate(gamma)
             if rate > best_rate:
                 best_gamma, best_rate = gamma, rate
         if best_gamma == 0:
@@ -141,16 +135,25 @@ class CostAwareGamma:
         Lookup costs only the verification's extra positions."""
         if self.draft_step_s is None or 1 not in self.verify_s:
             return 0  # the draft model's costs are measured first
-        if gamma == 0:
-            rate = (1.0 + self.margin) / min(self.verify_s.values())
-        else:
-            rate = expected_tokens(self.alpha, gamma) / (gamma * self.draft_step_s + self.verify_time(gamma + 1))
+        rate = self._draft_rate(gamma) if gamma else self._plain_rate()
         alpha, best = self.lookup_alpha, 0
         for n in range(1, min(available, self.max_gamma) + 1):
             candidate = expected_tokens(alpha, n) / self.verify_time(n + 1)
             if candidate > rate:
                 best, rate = n, candidate
         return best
+
+    def _plain_rate(self) -> float:
+        """Tokens a second a round must beat to be worth more than a plain step (by `margin`).
+        A pass over more positions costs at least a one-position pass, so the cheapest pass
+        seen bounds t(1): plain steps are timed only while decoding plainly, and a slow first
+        one would otherwise make speculation look better than it is for good."""
+        return (1.0 + self.margin) / min(self.verify_s.values())
+
+    def _draft_rate(self, gamma: int) -> float:
+        """Expected tokens a second of a round of γ of the draft model's drafts."""
+        cost = gamma * self.draft_step_s + self.verify_time(gamma + 1)
+        return expected_tokens(self.alpha, gamma) / cost
 
     def _blend(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
@@ -163,14 +166,17 @@ class CostAwareGamma:
         if gamma == 0:
             return
         if lookup:
-            self.lookup_kept = self.decay * self.lookup_kept + accepted
-            self.lookup_rejected = self.decay * self.lookup_rejected + (1 if accepted < gamma else 0)
+            self.lookup_kept, self.lookup_rejected = self._observe(self.lookup_kept, self.lookup_rejected,
+                                                                   gamma, accepted)
             return
         steps = gamma if draft_steps is None else draft_steps
         if steps > 0:  # a step's cost, not a token's: a first draft that came free says nothing of it
             self.draft_step_s = self._blend(self.draft_step_s, draft_s / steps)
-        self.kept = self.decay * self.kept + accepted
-        self.rejected = self.decay * self.rejected + (1 if accepted < gamma else 0)
+        self.kept, self.rejected = self._observe(self.kept, self.rejected, gamma, accepted)
+
+    def _observe(self, kept: float, rejected: float, gamma: int, accepted: int) -> tuple[float, float]:
+        """Decayed counts of kept drafts and of rounds that ended in a rejection, after one round."""
+        return self.decay * kept + accepted, self.decay * rejected + (1 if accepted < gamma else 0)
 
 
 def make_policy(gamma: int, adaptive: bool | str) -> FixedGamma | HeuristicGamma | CostAwareGamma:
