@@ -83,8 +83,8 @@ def main() -> int:
     from verispec.generate import encode_prompt
     from verispec.lab.prompts import load_prompts
 
-    target, draft, record = load_pair(args, "the draft's context",
-                                      f"{args.tokens} tokens" + (f", the first {args.sink} read too" if args.sink else ""))
+    sink = f", the first {args.sink} read too" if args.sink else ""
+    target, draft, record = load_pair(args, "the draft's context", f"{args.tokens} tokens{sink}")
     record.update(tokens=args.tokens, sink=args.sink, requests=[])
     with torch.inference_mode():
         for category in args.categories:
