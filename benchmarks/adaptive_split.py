@@ -22,13 +22,17 @@ requests that have both. Every --adaptive output must equal the plain output (VA
 With --variants, each prompt is decoded with --adaptive in several ways between the same two
 plain runs: `current` (the engine as it is), `draft-only` (the engine without prompt
 lookup's drafts in the draft model's place: generate(lookup=False)), and trials the engine
-does not carry: `first-look` (the draft reads only the last FIRST_LOOK positions before drafting until the
-target keeps one of its drafts, then the last READY_LAG afresh: a failed probe costs a short
-pass), `light-prior` (the policy's prior on α worth one round, not two: after a first
-round whose drafts were all rejected, α = 0.3 instead of 0.4), `short-window` (the draft
-reads at most the last SHORT_WINDOW positions when it catches up, not READY_LAG) and
-`first-draft-apart` (the engine before its catch-up pass gave the first draft too: the pass
-reads all but the last token, and the first draft step reads that one on its own).
+does not carry: `draft-first` (prompt lookup takes a draft model's round only after
+DRAFT_FIRST rounds of the draft model's own, and never a probe), `late-probe` (LATE_PROBE
+plain steps before the first speculative round), `first-look` (the draft
+reads only the last FIRST_LOOK positions before drafting until the target keeps one of its
+drafts, then the last READY_LAG afresh: a failed probe costs a short pass), `light-prior`
+(the policy's prior on α worth one round, not two: after a first round whose drafts were
+all rejected, α = 0.3 instead of 0.4), `short-window` (the draft reads at most the last
+SHORT_WINDOW positions when it catches up, not READY_LAG) and `first-draft-apart` (the
+engine before its catch-up pass gave the first draft too: the pass reads all but the last
+token, and the first draft step reads that one on its own). benchmarks/policy_replay.py
+replays the same variants on a virtual clock, without the machine's noise.
 """
 
 from __future__ import annotations
@@ -137,18 +141,80 @@ class FirstDraftApartProposer(ReadingProposer):
 
 # the trials that draft through a proposer of their own; the rest change generate() (policy())
 PROPOSERS = {"first-look": FirstLookProposer, "first-draft-apart": FirstDraftApartProposer}
-VARIANTS = ["current", "draft-only", "first-look", "light-prior", "short-window", "first-draft-apart"]
+VARIANTS = ["current", "draft-only", "draft-first", "late-probe", "first-look", "light-prior", "short-window",
+            "first-draft-apart"]
+
+DRAFT_FIRST = 4
+
+
+def draft_first_policy(max_gamma: int):
+    """The `draft-first` trial's policy: prompt lookup takes the place of a draft model's round
+    only once the draft model has had DRAFT_FIRST rounds of its own, and never of the round
+    that follows plain steps (a probe); it may always take a plain step's place."""
+    from dataclasses import dataclass
+
+    from verispec.spec.gamma import CostAwareGamma
+
+    @dataclass
+    class DraftFirstGamma(CostAwareGamma):
+        own_rounds: int = 0
+        last_choice: int = 0
+        after_plain: bool = True
+
+        def choose(self) -> int:
+            self.after_plain = self.last_choice == 0
+            self.last_choice = super().choose()
+            return self.last_choice
+
+        def lookup_gamma(self, available: int, gamma: int) -> int:
+            if gamma and (self.after_plain or self.own_rounds < DRAFT_FIRST):
+                return 0
+            return super().lookup_gamma(available, gamma)
+
+        def update(self, gamma, accepted, draft_s, verify_s, draft_steps=None, lookup=False):
+            self.own_rounds += bool(gamma) and not lookup
+            super().update(gamma, accepted, draft_s, verify_s, draft_steps, lookup)
+
+    return DraftFirstGamma(max_gamma=max_gamma)
+
+
+LATE_PROBE = 8
+
+
+def late_probe_policy(max_gamma: int):
+    """The `late-probe` trial's policy: LATE_PROBE plain steps before the first speculative
+    round, so that an answer shorter than that never pays the draft's first reading."""
+    from dataclasses import dataclass
+
+    from verispec.spec.gamma import CostAwareGamma
+
+    @dataclass
+    class LateProbeGamma(CostAwareGamma):
+        steps_before: int = 0
+
+        def choose(self) -> int:
+            if self.draft_step_s is None and self.steps_before < LATE_PROBE:
+                self.steps_before += 1
+                return 0
+            return super().choose()
+
+    return LateProbeGamma(max_gamma=max_gamma)
 
 
 @contextmanager
 def policy(variant: str):
-    """generate() as it is, or with the `light-prior` trial's prior or the `short-window` trial's window."""
+    """generate() as it is, or with the `light-prior` trial's prior, the `draft-first` or
+    `late-probe` trial's policy, or the `short-window` trial's window."""
     import verispec.generate as generation
     from verispec.spec.gamma import CostAwareGamma
 
     saved = generation.make_policy, generation.READY_LAG
     if variant == "light-prior":
         generation.make_policy = lambda gamma, adaptive: CostAwareGamma(max_gamma=max(gamma, 16), prior_weight=1.0)
+    if variant == "draft-first":
+        generation.make_policy = lambda gamma, adaptive: draft_first_policy(max(gamma, 16))
+    if variant == "late-probe":
+        generation.make_policy = lambda gamma, adaptive: late_probe_policy(max(gamma, 16))
     if variant == "short-window":
         generation.READY_LAG = SHORT_WINDOW
     try:

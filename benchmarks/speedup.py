@@ -118,7 +118,7 @@ def main() -> int:
         categories = ["coding", "translation", "qa"] if args.quick else None
         source = "spec-bench:" + ",".join(categories) if categories else "spec-bench"
         prompts = load_prompts(source, limit=1 if args.quick else 2) if categories else [
-            p for c in args.adaptive_categories or _categories()
+            p for c in args.adaptive_categories or spec_bench_categories()
             for p in load_prompts(f"spec-bench:{c}", limit=args.adaptive_prompts)]
         ratios = adaptive_ratios(target, draft, prompts, tokens, gamma=max(gammas), repeats=args.adaptive_repeats)
         record.update(adaptive_repeats=args.adaptive_repeats)
@@ -134,7 +134,7 @@ def main() -> int:
     return 0 if (met4 and met5) or args.quick else 1
 
 
-def _categories() -> list[str]:
+def spec_bench_categories() -> list[str]:
     import json
 
     from verispec.lab.prompts import spec_bench_path

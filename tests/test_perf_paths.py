@@ -1053,8 +1053,8 @@ def test_adaptive_split_accounts_for_every_pass_and_its_trials_keep_the_output(f
     target = load_model(folder)
     prompt = "the cat sat on the mat. " * 4  # longer than READY_LAG tokens
     records = adaptive_split.requests(target, target, prompt, 30, 4, adaptive_split.VARIANTS)
-    assert set(records) == {"current", "draft-only", "first-look", "light-prior", "short-window",
-                            "first-draft-apart"}
+    assert set(records) == {"current", "draft-only", "draft-first", "late-probe", "first-look", "light-prior",
+                            "short-window", "first-draft-apart"}
     assert records["draft-only"]["lookup_drafted"] == 0
     for name, r in records.items():
         assert r["valid"], name
@@ -1090,6 +1090,48 @@ def test_adaptive_split_accounts_for_every_pass_and_its_trials_keep_the_output(f
     assert proposer.lag(context) > 2  # generate() catches up before the next round
     proposer.catch_up(context, READY_LAG)
     assert proposer.catch_ups[-1][1] == READY_LAG and proposer.inner.offset == len(context) - READY_LAG
+
+
+def test_policy_replay_keeps_the_engines_decisions_and_charges_the_cost_table(folder, monkeypatch):
+    """benchmarks/policy_replay.py: the target's passes replaced by its greedy answer give that
+    answer back, plainly or speculatively; plain decoding costs t(1) a step on the virtual
+    clock; a model drafting for itself has every one of its drafts kept and beats plain decoding when
+    passes over more positions cost little more; the jitter is the seed's and only the seed's."""
+    import importlib
+
+    import verispec.generate
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    policy_replay = importlib.import_module("policy_replay")
+    target, draft = load_model(folder), load_model(folder)
+    prompt = "the cat sat on the mat."
+    answer = policy_replay.answer_of(target, prompt, 24)
+    monkeypatch.setattr(verispec.generate, "READY_LAG", 4096)  # the draft reads all the context, as the target
+    costs = {"target": {m: 1.0 + 0.1 * (m - 1) for m in range(1, 18)},
+             "draft": {m: 0.05 + 0.01 * m for m in range(1, 34)}}
+    plain = policy_replay.replay(target, draft, prompt, answer, "plain", costs, 24, 4)
+    assert plain["valid"] and plain["plain_steps"] == len(answer) - 1
+    assert plain["decode_s"] == pytest.approx(len(answer) - 1)
+    for variant in ("current", "draft-only", "draft-first"):
+        r = policy_replay.replay(target, draft, prompt, answer, variant, costs, 24, 4)
+        assert r["valid"], variant
+        own_kept, own_drafted = r["accepted"] - r["lookup_accepted"], r["drafted"] - r["lookup_drafted"]
+        assert r["spec_rounds"] >= 1 and own_kept == own_drafted > 0, variant  # prompt lookup's may fail
+        assert r["decode_s"] < plain["decode_s"], variant
+    assert verispec.generate.time is policy_replay.time  # the real clock is back
+    with pytest.raises(ValueError, match="apart"):
+        policy_replay.replay(target, target, prompt, answer, "plain", costs, 24, 4)
+    assert policy_replay.cost_of({1: 1.0, 2: 1.5})(4) == 2.5
+
+    def jittered(seed):
+        clock = policy_replay.VirtualClock(0.15, seed)
+        for _ in range(5):
+            clock.spend(1.0)
+        return clock.perf_counter()
+
+    assert jittered(1) == jittered(1) != jittered(2) and jittered(1) != 5.0
+    measured = policy_replay.measure(target.model, range(1, 3), last_only=False, repeats=1)
+    assert set(measured) == {1, 2} and min(measured.values()) > 0
 
 
 def test_speedup_repeats_each_adaptive_run_between_two_plain_runs(folder, monkeypatch):

@@ -1,0 +1,252 @@
+"""--adaptive's decisions replayed on a virtual clock, so that policies compare without the machine's noise.
+
+    python benchmarks/policy_replay.py --variants current draft-only draft-first
+    python benchmarks/policy_replay.py --weights int4 --categories writing roleplay --prompts 5
+    python benchmarks/policy_replay.py --costs results/perf/<host>/policy_replay.json   # the same costs again
+
+A real --adaptive run mixes the policy's choices with the machine's spells: a plain step of
+the same target takes 22 ms in one request and 32 ms in the next, so a few prompts cannot
+tell two policies apart. Here the decisions are the engine's own, and only time is modelled:
+
+- the target's passes are replaced by its greedy answer (one plain run of each prompt): a
+  pass's logits pick the answer's next token at every position, which is what a greedy
+  verification compares the drafts with, so the replay keeps exactly the drafts a real run
+  keeps, and its output must equal the answer;
+- the draft model runs for real, with the engine's catch-up reading and windows;
+- time is a virtual clock that the engine reads in place of the real one: a target pass over
+  m positions costs t(m) and a draft pass over m positions d(m), from one table measured at
+  the start of the run (medians, taken in turns) or read from an earlier run's record.
+
+Every variant meets the same costs, so their ratios to plain decoding (whose steps cost
+t(1) each) differ only by what the policy decided. What the clock leaves out is the engine's
+own bookkeeping between passes (well under a millisecond a round: overhead.py) and the
+spells themselves. The variants are adaptive_split.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import verispec  # noqa: F401  (first: it sets how torch's threads wait)
+import torch
+
+from adaptive_split import VARIANTS, policy
+from perf_common import add_pair_arguments, load_pair, save, verdict
+from speedup import spec_bench_categories
+
+TARGET_POSITIONS = range(1, 18)  # up to γ = 16, the cost-aware policy's largest
+DRAFT_POSITIONS = range(1, 34)  # catch-up reads at most READY_LAG (32) positions, a round's feed 1 or 2
+CONTEXT = 256  # positions already cached when a pass is timed
+
+
+class VirtualClock:
+    """Stands in for the `time` module in generate(): perf_counter() is the modelled time.
+    With `jitter` σ, each pass costs its table's time times e^N(0, σ²), from `seed`."""
+
+    def __init__(self, jitter: float = 0.0, seed: int = 0):
+        self.now, self.jitter, self.random = 0.0, jitter, random.Random(seed)
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def spend(self, seconds: float) -> None:
+        self.now += seconds * (math.exp(self.random.gauss(0.0, self.jitter)) if self.jitter else 1.0)
+
+
+class ReplayCache:
+    def __init__(self):
+        self.length = 0
+
+    def rollback(self, length: int) -> None:
+        self.length = length
+
+
+class ReplayTarget:
+    """The target's model, replaced by its greedy answer to one prompt: each position's logits
+    pick the answer's next token (the end of sequence after it). A pass over m positions after
+    the prefill moves the clock on by t(m)."""
+
+    def __init__(self, model, prompt_tokens: int, answer: list[int], eos: int, vocab: int,
+                 cost, clock: VirtualClock):
+        self.model, self.prompt_tokens, self.answer, self.eos = model, prompt_tokens, answer, eos
+        self.vocab, self.cost, self.clock = vocab, cost, clock
+
+    def new_cache(self, max_len: int) -> ReplayCache:
+        return ReplayCache()
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def __call__(self, ids: torch.Tensor, cache: ReplayCache, last_only: bool = False, **_) -> torch.Tensor:
+        start, m = cache.length, ids.shape[1]
+        cache.length += m
+        rows = [start + m - 1] if last_only else range(start, start + m)
+        logits = torch.zeros(1, len(rows), self.vocab)
+        for row, position in enumerate(rows):
+            index = position + 1 - self.prompt_tokens  # the answer's token this position predicts
+            logits[0, row, self.answer[index] if 0 <= index < len(self.answer) else self.eos] = 1.0
+        if start > 0:  # the prefill is not part of decoding's time
+            self.clock.spend(self.cost(m))
+        return logits
+
+
+class CostedModel:
+    """The draft's model, run for real; each pass moves the clock on by d(m)."""
+
+    def __init__(self, model, cost, clock: VirtualClock):
+        self.model, self.cost, self.clock = model, cost, clock
+
+    def __call__(self, ids: torch.Tensor, cache, **options):
+        out = self.model(ids, cache, **options)
+        self.clock.spend(self.cost(ids.shape[1]))
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def measure(model, positions: range, last_only: bool, repeats: int = 5) -> dict[int, float]:
+    """Median seconds of a pass over m positions after CONTEXT cached ones, for each m,
+    the sizes taken in turns so that a spell touches them all alike."""
+    cache = model.new_cache(CONTEXT + max(positions) + 1)
+    ids = lambda m: (torch.arange(m) % 200 + 50).unsqueeze(0)  # noqa: E731  (ordinary tokens of any vocabulary)
+    with torch.inference_mode():
+        model(ids(CONTEXT), cache, last_only=True)
+        times: dict[int, list[float]] = {m: [] for m in positions}
+        for _ in range(repeats + 1):  # the first turn warms up
+            for m in positions:
+                started = time.perf_counter()
+                model(ids(m), cache, last_only=last_only)
+                times[m].append(time.perf_counter() - started)
+                cache.rollback(CONTEXT)
+    return {m: statistics.median(seconds[1:]) for m, seconds in times.items()}
+
+
+def cost_of(table: dict[int, float]):
+    """t(m) from a table of measured sizes; beyond the largest, growing as between the last two."""
+    def cost(m: int) -> float:
+        if m in table:
+            return table[m]
+        top = max(table)
+        return table[top] + (table[top] - table[top - 1]) * (m - top)
+    return cost
+
+
+def answer_of(target, prompt: str, tokens: int) -> list[int]:
+    from verispec.generate import generate
+
+    return generate(target, prompt, chat=True, max_tokens=tokens).token_ids
+
+
+def replay(target, draft, prompt: str, answer: list[int], variant: str, costs: dict, tokens: int,
+           gamma: int, jitter: float = 0.0, seed: int = 0) -> dict:
+    """One prompt decoded on the virtual clock: plainly, or with --adaptive as `variant` decides."""
+    import verispec.generate as generation
+    from verispec.generate import generate
+    from verispec.spec.draft_model import DraftModelProposer
+
+    if draft is target:
+        raise ValueError("the draft must be loaded apart from the target: their models are replaced apart")
+    clock = VirtualClock(jitter, seed)
+    prompt_tokens = len(generation.encode_prompt(target.tokenizer, prompt, True))
+    real_target, real_draft, real_time = target.model, draft.model, generation.time
+    target.model = ReplayTarget(real_target, prompt_tokens, answer, min(target.tokenizer.eos_ids),
+                                target.config.vocab_size, cost_of(costs["target"]), clock)
+    draft.model = CostedModel(real_draft, cost_of(costs["draft"]), clock)
+    generation.time = clock
+    try:
+        if variant == "plain":
+            result = generate(target, prompt, chat=True, max_tokens=tokens)
+        else:
+            with policy(variant):
+                result = generate(target, prompt, chat=True, max_tokens=tokens, draft=DraftModelProposer(draft),
+                                  gamma=gamma, adaptive="cost", lookup=variant != "draft-only")
+    finally:
+        target.model, draft.model, generation.time = real_target, real_draft, real_time
+    spec = result.spec
+    count = lambda name: getattr(spec, name) if spec else 0  # noqa: E731  (a plain run has no statistics)
+    return {"decode_s": result.timings.decode_s, "tokens": len(result.token_ids),
+            "valid": result.token_ids == answer,
+            "plain_steps": spec.gammas[1:].count(0) if spec else len(result.token_ids) - 1,
+            "spec_rounds": sum(1 for g in spec.gammas[1:] if g) if spec else 0,
+            **{name: count(name) for name in ("drafted", "accepted", "lookup_drafted", "lookup_accepted",
+                                              "catch_up_s")}}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_pair_arguments(parser)
+    parser.add_argument("--categories", nargs="+", help="Spec-Bench categories (default: all)")
+    parser.add_argument("--prompts", type=int, default=5, help="prompts per category")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--gamma", type=int, default=8, help="the γ passed with --adaptive (as speedup.py)")
+    parser.add_argument("--variants", nargs="+", default=["current", "draft-only"], choices=VARIANTS)
+    parser.add_argument("--jitter", type=float, default=0.0,
+                        help="σ of each pass's cost around the table's, log-normal (0.15: most within ±15%%)")
+    parser.add_argument("--seeds", type=int, default=1, help="replays of each prompt, with jitter drawn afresh")
+    parser.add_argument("--costs", type=Path, help="a record of this script whose cost table to use again")
+    parser.add_argument("--out", default="policy_replay")
+    args = parser.parse_args()
+
+    from verispec.lab.prompts import load_prompts
+
+    target, draft, record = load_pair(args, "--adaptive replayed on a virtual clock", f"{args.tokens} tokens")
+    if args.costs:
+        saved = json.loads(args.costs.read_text())["costs"]
+        costs = {side: {int(m): s for m, s in table.items()} for side, table in saved.items()}
+        print(f"  costs from {args.costs}")
+    else:
+        costs = {"target": measure(target.model, TARGET_POSITIONS, last_only=False),
+                 "draft": measure(draft.model, DRAFT_POSITIONS, last_only=True)}
+    t1 = costs["target"][1]
+    print("  target t(m)/t(1): " + " ".join(f"{m}:{costs['target'][m] / t1:.2f}" for m in (2, 3, 5, 9, 17))
+          + f"; t(1) {1e3 * t1:.1f} ms; draft d(m)/t(1): "
+          + " ".join(f"{m}:{costs['draft'][m] / t1:.2f}" for m in (1, 2, 8, 16, 32)))
+    record.update(tokens=args.tokens, gamma=args.gamma, variants=args.variants, jitter=args.jitter,
+                  seeds=args.seeds, costs=costs, requests=[])
+    print(f"  {'category':>14} {'variant':>11} {'#':>2} {'out':>4} {'ratio':>6} | {'steps':>5} {'rounds':>6} "
+          f"{'kept':>7} {'lookup':>7} {'catch-up':>8}  (plain steps; speculative rounds; kept/drafted, then "
+          f"prompt lookup's of them; catch-up ms)")
+    args.categories = args.categories or spec_bench_categories()
+    for category in args.categories:
+        for number, prompt in enumerate(load_prompts(f"spec-bench:{category}", limit=args.prompts)):
+            answer = answer_of(target, prompt.text, args.tokens)
+            for seed, name in ((seed, name) for seed in range(args.seeds) for name in args.variants):
+                plain = replay(target, draft, prompt.text, answer, "plain", costs, args.tokens, args.gamma,
+                               args.jitter, 2 * seed)
+                r = replay(target, draft, prompt.text, answer, name, costs, args.tokens, args.gamma,
+                           args.jitter, 2 * seed + 1)
+                r.update(category=category, variant=name, prompt=number, seed=seed, plain_s=plain["decode_s"],
+                         ratio=plain["decode_s"] / r["decode_s"] if r["decode_s"] > 0 else 1.0)
+                record["requests"].append(r)
+                print(f"  {category:>14} {name:>11} {number:>2} {r['tokens']:>4} {r['ratio']:>5.2f}x | "
+                      f"{r['plain_steps']:>5} {r['spec_rounds']:>6} {r['accepted']:>3}/{r['drafted']:<3} "
+                      f"{r['lookup_accepted']:>3}/{r['lookup_drafted']:<3} {1e3 * r['catch_up_s']:>8.0f}  "
+                      f"{'VALID' if r['valid'] else 'INVALID'}")
+    worst: dict[str, float] = {}
+    for name in args.variants:
+        for category in args.categories:
+            rows = [r for r in record["requests"] if r["category"] == category and r["variant"] == name]
+            ratio = sum(r["plain_s"] for r in rows) / sum(r["decode_s"] for r in rows)
+            worst[name] = min(worst.get(name, ratio), ratio)
+            by_seed = sorted(sum(r["plain_s"] for r in rows if r["seed"] == seed)
+                             / sum(r["decode_s"] for r in rows if r["seed"] == seed) for seed in range(args.seeds))
+            spread = f" (one replay each: {by_seed[0]:.3f}x to {by_seed[-1]:.3f}x)" if args.seeds > 1 else ""
+            print(verdict(f"--adaptive ({name}), {category}", f"{ratio:.3f}x of plain, modelled, over {len(rows)} "
+                          f"requests{spread}, {'all VALID' if all(r['valid'] for r in rows) else 'some INVALID'}",
+                          None))
+    for name in args.variants:
+        print(f"  {name}: worst category {worst[name]:.3f}x of plain (modelled)")
+    save(args.out, record)
+    return 0 if all(r["valid"] for r in record["requests"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
