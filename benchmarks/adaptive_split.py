@@ -24,7 +24,8 @@ plain runs: `current` (the engine as it is), `draft-only` (the engine without pr
 lookup's drafts in the draft model's place: generate(lookup=False)), and trials the engine
 does not carry: `draft-first` (prompt lookup takes a draft model's round only after
 DRAFT_FIRST rounds of the draft model's own, and never a probe), `late-probe` (LATE_PROBE
-plain steps before the first speculative round), `first-look` (the draft
+plain steps before the first speculative round), `plain-bound` (a plain step's time
+bounded by the smallest longer pass's only, not by every size's), `first-look` (the draft
 reads only the last FIRST_LOOK positions before drafting until the target keeps one of its
 drafts, then the last READY_LAG afresh: a failed probe costs a short pass), `light-prior`
 (the policy's prior on α worth one round, not two: after a first round whose drafts were
@@ -141,8 +142,8 @@ class FirstDraftApartProposer(ReadingProposer):
 
 # the trials that draft through a proposer of their own; the rest change generate() (policy())
 PROPOSERS = {"first-look": FirstLookProposer, "first-draft-apart": FirstDraftApartProposer}
-VARIANTS = ["current", "draft-only", "draft-first", "late-probe", "first-look", "light-prior", "short-window",
-            "first-draft-apart"]
+VARIANTS = ["current", "draft-only", "draft-first", "late-probe", "plain-bound", "first-look", "light-prior",
+            "short-window", "first-draft-apart"]
 
 DRAFT_FIRST = 4
 
@@ -201,10 +202,25 @@ def late_probe_policy(max_gamma: int):
     return LateProbeGamma(max_gamma=max_gamma)
 
 
+def plain_bound_policy(max_gamma: int):
+    """The `plain-bound` trial's policy: a plain step's time is its own estimate, bounded only
+    by the smallest longer pass's, not by the least of all sizes' estimates (with noisy
+    timings that least is the luckiest, and makes plain decoding look faster than it is)."""
+    from verispec.spec.gamma import CostAwareGamma
+
+    class PlainBoundGamma(CostAwareGamma):
+        def _plain_rate(self) -> float:
+            longer = [m for m in self.verify_s if m > 1]
+            step = min(self.verify_s[1], self.verify_s[min(longer)]) if longer else self.verify_s[1]
+            return (1.0 + self.margin) / step
+
+    return PlainBoundGamma(max_gamma=max_gamma)
+
+
 @contextmanager
 def policy(variant: str):
-    """generate() as it is, or with the `light-prior` trial's prior, the `draft-first` or
-    `late-probe` trial's policy, or the `short-window` trial's window."""
+    """generate() as it is, or with the `light-prior` trial's prior, the `draft-first`,
+    `late-probe` or `plain-bound` trial's policy, or the `short-window` trial's window."""
     import verispec.generate as generation
     from verispec.spec.gamma import CostAwareGamma
 
@@ -215,6 +231,8 @@ def policy(variant: str):
         generation.make_policy = lambda gamma, adaptive: draft_first_policy(max(gamma, 16))
     if variant == "late-probe":
         generation.make_policy = lambda gamma, adaptive: late_probe_policy(max(gamma, 16))
+    if variant == "plain-bound":
+        generation.make_policy = lambda gamma, adaptive: plain_bound_policy(max(gamma, 16))
     if variant == "short-window":
         generation.READY_LAG = SHORT_WINDOW
     try:

@@ -37,7 +37,7 @@ from pathlib import Path
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
 
-from adaptive_split import VARIANTS, policy
+from adaptive_split import PROPOSERS, VARIANTS, ReadingProposer, policy
 from perf_common import add_pair_arguments, load_pair, save, verdict
 from speedup import spec_bench_categories
 
@@ -166,7 +166,8 @@ def replay(target, draft, prompt: str, answer: list[int], variant: str, costs: d
             result = generate(target, prompt, chat=True, max_tokens=tokens)
         else:
             with policy(variant):
-                result = generate(target, prompt, chat=True, max_tokens=tokens, draft=DraftModelProposer(draft),
+                proposer = PROPOSERS.get(variant, ReadingProposer)(DraftModelProposer(draft))
+                result = generate(target, prompt, chat=True, max_tokens=tokens, draft=proposer,
                                   gamma=gamma, adaptive="cost", lookup=variant != "draft-only")
     finally:
         target.model, draft.model, generation.time = real_target, real_draft, real_time
