@@ -30,9 +30,11 @@ reads only the last FIRST_LOOK positions before drafting until the target keeps 
 drafts, then the last READY_LAG afresh: a failed probe costs a short pass), `light-prior`
 (the policy's prior on α worth one round, not two: after a first round whose drafts were
 all rejected, α = 0.3 instead of 0.4), `short-window` (the draft reads at most the last
-SHORT_WINDOW positions when it catches up, not READY_LAG) and `first-draft-apart` (the
+SHORT_WINDOW positions when it catches up, not READY_LAG), `first-draft-apart` (the
 engine before its catch-up pass gave the first draft too: the pass reads all but the last
-token, and the first draft step reads that one on its own). benchmarks/policy_replay.py
+token, and the first draft step reads that one on its own) and `confident-probe` (the first
+speculative round waits for a plain step whose token the target gave at least CONFIDENT
+probability). benchmarks/policy_replay.py
 replays the same variants on a virtual clock, without the machine's noise.
 """
 
@@ -45,6 +47,7 @@ import time
 from contextlib import contextmanager
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
+import torch
 
 from perf_common import add_pair_arguments, load_pair, median, save, verdict
 
@@ -143,7 +146,7 @@ class FirstDraftApartProposer(ReadingProposer):
 # the trials that draft through a proposer of their own; the rest change generate() (policy())
 PROPOSERS = {"first-look": FirstLookProposer, "first-draft-apart": FirstDraftApartProposer}
 VARIANTS = ["current", "draft-only", "draft-first", "late-probe", "plain-bound", "first-look", "light-prior",
-            "short-window", "first-draft-apart"]
+            "short-window", "first-draft-apart", "confident-probe"]
 
 DRAFT_FIRST = 4
 
@@ -202,6 +205,38 @@ def late_probe_policy(max_gamma: int):
     return LateProbeGamma(max_gamma=max_gamma)
 
 
+CONFIDENT = 0.8
+
+
+class Confidence:
+    """The probability the target gave its own token in its last round (the `confident-probe`
+    trial's sign), read off the logits its verification compares the drafts with."""
+
+    last = 1.0
+
+    @staticmethod
+    def recording(verify):
+        def verify_and_record(logits, drafts):
+            Confidence.last = torch.softmax(logits[-1].float(), dim=-1).max().item()
+            return verify(logits, drafts)
+        return verify_and_record
+
+
+def confident_probe_policy(max_gamma: int):
+    """The `confident-probe` trial's policy: the first speculative round waits for a plain step
+    whose token the target gave at least CONFIDENT probability, on the bet that where the target
+    hesitates the draft guesses wrong, and that such answers are the short ones."""
+    from verispec.spec.gamma import CostAwareGamma
+
+    class ConfidentProbeGamma(CostAwareGamma):
+        def choose(self) -> int:
+            if self.draft_step_s is None and 1 in self.verify_s and Confidence.last < CONFIDENT:
+                return 0
+            return super().choose()
+
+    return ConfidentProbeGamma(max_gamma=max_gamma)
+
+
 def plain_bound_policy(max_gamma: int):
     """The `plain-bound` trial's policy: a plain step's time is its own estimate, bounded only
     by the smallest longer pass's, not by the least of all sizes' estimates (with noisy
@@ -220,11 +255,12 @@ def plain_bound_policy(max_gamma: int):
 @contextmanager
 def policy(variant: str):
     """generate() as it is, or with the `light-prior` trial's prior, the `draft-first`,
-    `late-probe` or `plain-bound` trial's policy, or the `short-window` trial's window."""
+    `late-probe`, `plain-bound` or `confident-probe` trial's policy, or the `short-window`
+    trial's window."""
     import verispec.generate as generation
     from verispec.spec.gamma import CostAwareGamma
 
-    saved = generation.make_policy, generation.READY_LAG
+    saved = generation.make_policy, generation.READY_LAG, generation.verify_greedy
     if variant == "light-prior":
         generation.make_policy = lambda gamma, adaptive: CostAwareGamma(max_gamma=max(gamma, 16), prior_weight=1.0)
     if variant == "draft-first":
@@ -233,12 +269,16 @@ def policy(variant: str):
         generation.make_policy = lambda gamma, adaptive: late_probe_policy(max(gamma, 16))
     if variant == "plain-bound":
         generation.make_policy = lambda gamma, adaptive: plain_bound_policy(max(gamma, 16))
+    if variant == "confident-probe":
+        generation.make_policy = lambda gamma, adaptive: confident_probe_policy(max(gamma, 16))
+        generation.verify_greedy = Confidence.recording(generation.verify_greedy)
+        Confidence.last = 1.0
     if variant == "short-window":
         generation.READY_LAG = SHORT_WINDOW
     try:
         yield
     finally:
-        generation.make_policy, generation.READY_LAG = saved
+        generation.make_policy, generation.READY_LAG, generation.verify_greedy = saved
 
 
 def timed_run(target, prompt: str, **options):

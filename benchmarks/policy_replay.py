@@ -70,13 +70,20 @@ class ReplayCache:
 
 class ReplayTarget:
     """The target's model, replaced by its greedy answer to one prompt: each position's logits
-    pick the answer's next token (the end of sequence after it). A pass over m positions after
-    the prefill moves the clock on by t(m)."""
+    pick the answer's next token (the end of sequence after it), with the probability the real
+    target gave it (`confidences`; one logit raised above the others' zeros). A pass over m
+    positions after the prefill moves the clock on by t(m)."""
 
-    def __init__(self, model, prompt_tokens: int, answer: list[int], eos: int, vocab: int,
-                 cost, clock: VirtualClock):
+    def __init__(self, model, prompt_tokens: int, answer: list[int], confidences: list[float], eos: int,
+                 vocab: int, cost, clock: VirtualClock):
         self.model, self.prompt_tokens, self.answer, self.eos = model, prompt_tokens, answer, eos
         self.vocab, self.cost, self.clock = vocab, cost, clock
+        self.logit = [self.logit_for(p) for p in confidences]
+
+    def logit_for(self, probability: float) -> float:
+        """The logit that, beside vocab - 1 zeros, has this probability after a softmax."""
+        p = min(max(probability, 1.0 / self.vocab + 1e-6), 1.0 - 1e-7)
+        return max(math.log(p / (1.0 - p) * (self.vocab - 1)), 1e-3)
 
     def new_cache(self, max_len: int) -> ReplayCache:
         return ReplayCache()
@@ -91,7 +98,8 @@ class ReplayTarget:
         logits = torch.zeros(1, len(rows), self.vocab)
         for row, position in enumerate(rows):
             index = position + 1 - self.prompt_tokens  # the answer's token this position predicts
-            logits[0, row, self.answer[index] if 0 <= index < len(self.answer) else self.eos] = 1.0
+            within = 0 <= index < len(self.answer)
+            logits[0, row, self.answer[index] if within else self.eos] = self.logit[index] if within else 30.0
         if start > 0:  # the prefill is not part of decoding's time
             self.clock.spend(self.cost(m))
         return logits
@@ -139,14 +147,20 @@ def cost_of(table: dict[int, float]):
     return cost
 
 
-def answer_of(target, prompt: str, tokens: int) -> list[int]:
-    from verispec.generate import generate
+def answer_of(target, prompt: str, tokens: int) -> tuple[list[int], list[float]]:
+    """The target's greedy answer, and the probability it gave each token (read in one pass
+    over prompt and answer)."""
+    import verispec.generate as generation
 
-    return generate(target, prompt, chat=True, max_tokens=tokens).token_ids
+    answer = generation.generate(target, prompt, chat=True, max_tokens=tokens).token_ids
+    ids = generation.encode_prompt(target.tokenizer, prompt, True) + answer
+    with torch.inference_mode():
+        logits = target.model(torch.tensor([ids]), target.model.new_cache(len(ids)))[0, -len(answer) - 1:-1]
+    return answer, torch.softmax(logits.float(), dim=-1).max(dim=-1).values.tolist()
 
 
-def replay(target, draft, prompt: str, answer: list[int], variant: str, costs: dict, tokens: int,
-           gamma: int, jitter: float = 0.0, seed: int = 0) -> dict:
+def replay(target, draft, prompt: str, answer: tuple[list[int], list[float]], variant: str, costs: dict,
+           tokens: int, gamma: int, jitter: float = 0.0, seed: int = 0) -> dict:
     """One prompt decoded on the virtual clock: plainly, or with --adaptive as `variant` decides."""
     import verispec.generate as generation
     from verispec.generate import generate
@@ -155,9 +169,10 @@ def replay(target, draft, prompt: str, answer: list[int], variant: str, costs: d
     if draft is target:
         raise ValueError("the draft must be loaded apart from the target: their models are replaced apart")
     clock = VirtualClock(jitter, seed)
+    answer, confidences = answer
     prompt_tokens = len(generation.encode_prompt(target.tokenizer, prompt, True))
     real_target, real_draft, real_time = target.model, draft.model, generation.time
-    target.model = ReplayTarget(real_target, prompt_tokens, answer, min(target.tokenizer.eos_ids),
+    target.model = ReplayTarget(real_target, prompt_tokens, answer, confidences, min(target.tokenizer.eos_ids),
                                 target.config.vocab_size, cost_of(costs["target"]), clock)
     draft.model = CostedModel(real_draft, cost_of(costs["draft"]), clock)
     generation.time = clock

@@ -1047,14 +1047,16 @@ def test_adaptive_split_accounts_for_every_pass_and_its_trials_keep_the_output(f
     from verispec.generate import READY_LAG
     from verispec.sampling import SamplingParams
     from verispec.spec.draft_model import DraftModelProposer
+    from verispec.spec.verifier import verify_greedy
 
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     adaptive_split = importlib.import_module("adaptive_split")
     target = load_model(folder)
     prompt = "the cat sat on the mat. " * 4  # longer than READY_LAG tokens
+    monkeypatch.setattr(adaptive_split, "CONFIDENT", 0.0)  # a random model is sure of nothing
     records = adaptive_split.requests(target, target, prompt, 30, 4, adaptive_split.VARIANTS)
     assert set(records) == {"current", "draft-only", "draft-first", "late-probe", "plain-bound", "first-look",
-                            "light-prior", "short-window", "first-draft-apart"}
+                            "light-prior", "short-window", "first-draft-apart", "confident-probe"}
     assert records["draft-only"]["lookup_drafted"] == 0
     for name, r in records.items():
         assert r["valid"], name
@@ -1066,6 +1068,7 @@ def test_adaptive_split_accounts_for_every_pass_and_its_trials_keep_the_output(f
     assert records["first-draft-apart"]["catch_up_read"] == READY_LAG - 1  # the last token read by a draft step
     import verispec.generate
     assert verispec.generate.READY_LAG == READY_LAG  # the trial's window does not outlive it
+    assert verispec.generate.verify_greedy is verify_greedy  # nor the confidence's recording
 
     # plain steps within NEAR steps after a speculative round are `near`, the rest `far`
     passes = [(1, 1.0), (3, 9.0), (1, 2.0), (1, 2.0), (1, 2.0), (1, 4.0), (5, 9.0), (1, 6.0)]
@@ -1096,7 +1099,9 @@ def test_policy_replay_keeps_the_engines_decisions_and_charges_the_cost_table(fo
     """benchmarks/policy_replay.py: the target's passes replaced by its greedy answer give that
     answer back, plainly or speculatively; plain decoding costs t(1) a step on the virtual
     clock; a model drafting for itself has every one of its drafts kept and beats plain decoding when
-    passes over more positions cost little more; the jitter is the seed's and only the seed's."""
+    passes over more positions cost little more; the target's replayed logits give each token the
+    probability the real target gave it, which the `confident-probe` trial reads; the jitter is the
+    seed's and only the seed's."""
     import importlib
 
     import verispec.generate
@@ -1105,13 +1110,15 @@ def test_policy_replay_keeps_the_engines_decisions_and_charges_the_cost_table(fo
     policy_replay = importlib.import_module("policy_replay")
     target, draft = load_model(folder), load_model(folder)
     prompt = "the cat sat on the mat."
-    answer = policy_replay.answer_of(target, prompt, 24)
+    tokens, confidences = policy_replay.answer_of(target, prompt, 24)
+    assert len(confidences) == len(tokens) and all(0 < p <= 1 for p in confidences)
+    answer = (tokens, [0.99] * len(tokens))  # sure of every token: the confident-probe trial probes at once
     monkeypatch.setattr(verispec.generate, "READY_LAG", 4096)  # the draft reads all the context, as the target
     costs = {"target": {m: 1.0 + 0.1 * (m - 1) for m in range(1, 18)},
              "draft": {m: 0.05 + 0.01 * m for m in range(1, 34)}}
     plain = policy_replay.replay(target, draft, prompt, answer, "plain", costs, 24, 4)
-    assert plain["valid"] and plain["plain_steps"] == len(answer) - 1
-    assert plain["decode_s"] == pytest.approx(len(answer) - 1)
+    assert plain["valid"] and plain["plain_steps"] == len(tokens) - 1
+    assert plain["decode_s"] == pytest.approx(len(tokens) - 1)
     for variant in policy_replay.VARIANTS:
         r = policy_replay.replay(target, draft, prompt, answer, variant, costs, 24, 4)
         assert r["valid"], variant
@@ -1122,6 +1129,10 @@ def test_policy_replay_keeps_the_engines_decisions_and_charges_the_cost_table(fo
         assert own_kept == own_drafted > 0, variant  # prompt lookup's may fail
         assert r["decode_s"] < plain["decode_s"], variant
     assert verispec.generate.time is policy_replay.time  # the real clock is back
+    unsure = (tokens, [0.3] * len(tokens))
+    assert policy_replay.replay(target, draft, prompt, unsure, "current", costs, 24, 4)["spec_rounds"] >= 1
+    hesitant = policy_replay.replay(target, draft, prompt, unsure, "confident-probe", costs, 24, 4)
+    assert hesitant["valid"] and hesitant["spec_rounds"] == 0
     with pytest.raises(ValueError, match="apart"):
         policy_replay.replay(target, target, prompt, answer, "plain", costs, 24, 4)
     assert policy_replay.cost_of({1: 1.0, 2: 1.5})(4) == 2.5
