@@ -34,7 +34,8 @@ SHORT_WINDOW positions when it catches up, not READY_LAG), `first-draft-apart` (
 engine before its catch-up pass gave the first draft too: the pass reads all but the last
 token, and the first draft step reads that one on its own) and `confident-probe` (the first
 speculative round waits for a plain step whose token the target gave at least CONFIDENT
-probability). benchmarks/policy_replay.py
+probability) and `quick-reprobe` (once speculation is given up, the first probe comes after
+QUICK_REPROBE plain steps, not 64, doubling from there). benchmarks/policy_replay.py
 replays the same variants on a virtual clock, without the machine's noise.
 """
 
@@ -146,7 +147,7 @@ class FirstDraftApartProposer(ReadingProposer):
 # the trials that draft through a proposer of their own; the rest change generate() (policy())
 PROPOSERS = {"first-look": FirstLookProposer, "first-draft-apart": FirstDraftApartProposer}
 VARIANTS = ["current", "draft-only", "draft-first", "late-probe", "plain-bound", "first-look", "light-prior",
-            "short-window", "first-draft-apart", "confident-probe"]
+            "short-window", "first-draft-apart", "confident-probe", "quick-reprobe"]
 
 DRAFT_FIRST = 4
 
@@ -237,6 +238,24 @@ def confident_probe_policy(max_gamma: int):
     return ConfidentProbeGamma(max_gamma=max_gamma)
 
 
+QUICK_REPROBE = 8
+
+
+def quick_reprobe_policy(max_gamma: int):
+    """The `quick-reprobe` trial's policy: once speculation is given up, the next probe comes
+    after QUICK_REPROBE plain rounds, not probe_every (64), and the wait doubles from there to
+    the engine's longest. One failed first probe then no longer leaves a long answer plain for
+    64 steps, and a probe soon after the last costs the draft only a short catch-up."""
+    from verispec.spec.gamma import CostAwareGamma
+
+    class QuickReprobeGamma(CostAwareGamma):
+        def choose(self) -> int:
+            self.probe_interval = self.probe_interval or QUICK_REPROBE  # the first wait, where it would be 64
+            return super().choose()
+
+    return QuickReprobeGamma(max_gamma=max_gamma)
+
+
 def plain_bound_policy(max_gamma: int):
     """The `plain-bound` trial's policy: a plain step's time is its own estimate, bounded only
     by the smallest longer pass's, not by the least of all sizes' estimates (with noisy
@@ -255,8 +274,8 @@ def plain_bound_policy(max_gamma: int):
 @contextmanager
 def policy(variant: str):
     """generate() as it is, or with the `light-prior` trial's prior, the `draft-first`,
-    `late-probe`, `plain-bound` or `confident-probe` trial's policy, or the `short-window`
-    trial's window."""
+    `late-probe`, `plain-bound`, `confident-probe` or `quick-reprobe` trial's policy, or the
+    `short-window` trial's window."""
     import verispec.generate as generation
     from verispec.spec.gamma import CostAwareGamma
 
@@ -273,6 +292,8 @@ def policy(variant: str):
         generation.make_policy = lambda gamma, adaptive: confident_probe_policy(max(gamma, 16))
         generation.verify_greedy = Confidence.recording(generation.verify_greedy)
         Confidence.last = 1.0
+    if variant == "quick-reprobe":
+        generation.make_policy = lambda gamma, adaptive: quick_reprobe_policy(max(gamma, 16))
     if variant == "short-window":
         generation.READY_LAG = SHORT_WINDOW
     try:

@@ -3,6 +3,7 @@
     python benchmarks/policy_replay.py --variants current draft-only draft-first
     python benchmarks/policy_replay.py --weights int4 --categories writing roleplay --prompts 5
     python benchmarks/policy_replay.py --costs results/perf/<host>/policy_replay.json   # the same costs again
+    python benchmarks/policy_replay.py --answers results/perf/<host>/policy_replay.json  # and the same answers
 
 A real --adaptive run mixes the policy's choices with the machine's spells: a plain step of
 the same target takes 22 ms in one request and 32 ms in the next, so a few prompts cannot
@@ -196,6 +197,19 @@ def replay(target, draft, prompt: str, answer: tuple[list[int], list[float]], va
                                               "catch_up_s")}}
 
 
+def known_answers(path: Path, record: dict, tokens: int) -> dict[str, tuple[list[int], list[float]]]:
+    """The answers an earlier record holds, by "category/prompt", if its target, weights and
+    token budget are this run's (an answer to other settings would replay a different output)."""
+    saved = json.loads(path.read_text())
+    settings = {"target": record["target"], "weights": record["weights"], "tokens": tokens}
+    differ = {name: saved.get(name) for name, value in settings.items() if saved.get(name) != value}
+    if differ or "answers" not in saved:
+        sys.exit(f"policy_replay: {path} holds no answers for this run's settings "
+                 f"({', '.join(f'{n} {v!r}' for n, v in differ.items()) or 'no answers saved'})")
+    print(f"  answers from {path}")
+    return {key: (a["tokens"], a["confidences"]) for key, a in saved["answers"].items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pair_arguments(parser)
@@ -208,6 +222,9 @@ def main() -> int:
                         help="σ of each pass's cost around the table's, log-normal (0.15: most within ±15%%)")
     parser.add_argument("--seeds", type=int, default=1, help="replays of each prompt, with jitter drawn afresh")
     parser.add_argument("--costs", type=Path, help="a record of this script whose cost table to use again")
+    parser.add_argument("--answers", type=Path,
+                        help="a record of this script whose target answers to use again (the same target, "
+                             "weights and token budget), instead of decoding each prompt first")
     parser.add_argument("--out", default="policy_replay")
     args = parser.parse_args()
 
@@ -225,15 +242,18 @@ def main() -> int:
     print("  target t(m)/t(1): " + " ".join(f"{m}:{costs['target'][m] / t1:.2f}" for m in (2, 3, 5, 9, 17))
           + f"; t(1) {1e3 * t1:.1f} ms; draft d(m)/t(1): "
           + " ".join(f"{m}:{costs['draft'][m] / t1:.2f}" for m in (1, 2, 8, 16, 32)))
+    known = known_answers(args.answers, record, args.tokens) if args.answers else {}
     record.update(tokens=args.tokens, gamma=args.gamma, variants=args.variants, jitter=args.jitter,
-                  seeds=args.seeds, costs=costs, requests=[])
+                  seeds=args.seeds, costs=costs, requests=[], answers={})
     print(f"  {'category':>14} {'variant':>11} {'#':>2} {'out':>4} {'ratio':>6} | {'steps':>5} {'rounds':>6} "
           f"{'kept':>7} {'lookup':>7} {'catch-up':>8}  (plain steps; speculative rounds; kept/drafted, then "
           f"prompt lookup's of them; catch-up ms)")
     args.categories = args.categories or spec_bench_categories()
     for category in args.categories:
         for number, prompt in enumerate(load_prompts(f"spec-bench:{category}", limit=args.prompts)):
-            answer = answer_of(target, prompt.text, args.tokens)
+            key = f"{category}/{number}"
+            answer = known[key] if key in known else answer_of(target, prompt.text, args.tokens)
+            record["answers"][key] = {"tokens": answer[0], "confidences": answer[1]}
             for seed, name in ((seed, name) for seed in range(args.seeds) for name in args.variants):
                 plain = replay(target, draft, prompt.text, answer, "plain", costs, args.tokens, args.gamma,
                                args.jitter, 2 * seed)

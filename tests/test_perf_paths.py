@@ -1056,7 +1056,8 @@ def test_adaptive_split_accounts_for_every_pass_and_its_trials_keep_the_output(f
     monkeypatch.setattr(adaptive_split, "CONFIDENT", 0.0)  # a random model is sure of nothing
     records = adaptive_split.requests(target, target, prompt, 30, 4, adaptive_split.VARIANTS)
     assert set(records) == {"current", "draft-only", "draft-first", "late-probe", "plain-bound", "first-look",
-                            "light-prior", "short-window", "first-draft-apart", "confident-probe"}
+                            "light-prior", "short-window", "first-draft-apart", "confident-probe",
+                            "quick-reprobe"}
     assert records["draft-only"]["lookup_drafted"] == 0
     for name, r in records.items():
         assert r["valid"], name
@@ -1148,6 +1149,22 @@ def test_policy_replay_keeps_the_engines_decisions_and_charges_the_cost_table(fo
     assert set(measured) == {1, 2} and min(measured.values()) > 0
 
 
+def test_policy_replay_reuses_an_earlier_records_answers_only_for_the_same_settings(tmp_path, monkeypatch):
+    import importlib
+    import json
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    policy_replay = importlib.import_module("policy_replay")
+    run = {"target": "t", "weights": "int8"}
+    saved = tmp_path / "replay.json"
+    answers = {"qa/0": {"tokens": [5, 6], "confidences": [0.9, 0.4]}}
+    saved.write_text(json.dumps({**run, "tokens": 64, "answers": answers}))
+    assert policy_replay.known_answers(saved, run, 64) == {"qa/0": ([5, 6], [0.9, 0.4])}
+    for other, tokens in (({**run, "weights": "int4"}, 64), (run, 128)):
+        with pytest.raises(SystemExit, match="no answers for this run"):
+            policy_replay.known_answers(saved, other, tokens)
+
+
 def test_speedup_repeats_each_adaptive_run_between_two_plain_runs(folder, monkeypatch):
     """benchmarks/speedup.py --adaptive-repeats N: plain, then N times --adaptive and plain,
     every --adaptive run timed against the plain runs on either side of it."""
@@ -1204,3 +1221,25 @@ def test_draft_context_measures_agreement_by_window_and_lookup_on_a_model_agains
         found, right = draft_context.lookup_agreement(prompt_ids, answer)
         assert 0.0 < found <= 1.0 and 0.0 <= right <= 1.0  # the repeated text gives lookup something
         assert draft_context.reading_ms(target, prompt_ids) > 0
+
+
+def test_quick_reprobe_trial_probes_soon_after_giving_up_then_ever_more_rarely(monkeypatch):
+    """adaptive_split.py's `quick-reprobe` trial: the first probe after speculation is given up
+    comes after QUICK_REPROBE plain rounds, and the waits double from there to the engine's longest."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    adaptive_split = importlib.import_module("adaptive_split")
+    policy = adaptive_split.quick_reprobe_policy(16)
+    policy.update(0, 0, 0.0, 0.010)  # a plain step: 10 ms
+    for _ in range(3):  # drafts that are always rejected, at a draft step of 4 ms
+        policy.update(4, 0, 0.016, 0.013)
+    choices = []
+    for _ in range(2000):
+        gamma = policy.choose()
+        choices.append(gamma)
+        policy.update(gamma, 0, 0.004 * gamma, 0.010 + 0.001 * gamma)
+    probes = [i for i, g in enumerate(choices) if g > 0]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes[0] == adaptive_split.QUICK_REPROBE - 1
+    assert gaps[:4] == [16, 32, 64, 128] and max(gaps) == 8 * policy.probe_every
