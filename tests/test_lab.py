@@ -598,9 +598,31 @@ def assert_one_line_error(code: int, err: list[str], *fragments: str) -> None:
     assert all(fragment in err[0] for fragment in fragments), err[0]
 
 
+def test_bench_no_lookup_keeps_adaptive_rounds_to_the_draft_model_and_its_runs_apart(models, tmp_path, capsys,
+                                                                                     clock):
+    """`verispec bench --adaptive --no-lookup`: the runs send none of prompt lookup's drafts, say
+    so in their records and their row, and do not reuse the runs made with lookup."""
+    prompts = tmp_path / "repeating.txt"
+    prompts.write_text("the cat sat on the mat. " * 4 + "\n")
+    out = tmp_path / "bench.jsonl"
+    argv = ["bench", "--model", models / "target", "--draft", models / "same", "--gamma", "4", "--adaptive",
+            "--prompts", prompts, "--limit", "1", "--max-tokens", "40", "--ignore-eos", "--repeats", "1",
+            "--no-warmup", "--no-chat", "--out", out]
+    assert run_cli(capsys, *argv)[0] == 0
+    code, printed = run_cli(capsys, *argv, "--no-lookup")
+    assert code == 0 and "(adaptive: cost, no lookup)" in " ".join(printed.split())
+    with_lookup, without = [r for r in read_records(out) if r["proposer_kind"] == "draft"]
+    assert with_lookup["lookup"] and with_lookup["spec"]["lookup_drafted"] > 0
+    assert not without["lookup"] and without["spec"]["lookup_drafted"] == 0
+    assert with_lookup["key"] != without["key"] and with_lookup["token_ids"] == without["token_ids"]
+    assert without["audit"]["output"]["status"] == audit.VALID
+
+
 @pytest.mark.parametrize("bad_option, message", [
     (["--gamma", "33"], "expected a number from 1 to 32, got 33"),
     (["--ngram", "1", "3"], "MIN <= MAX"),
+    (["--no-lookup", "--adaptive"], "no --draft here is a model"),
+    (["-d", "some-draft", "--no-lookup"], "--adaptive cost is not on"),
 ])
 def test_bench_refuses_a_bad_option_before_touching_the_results_file(models, prompt_file, tmp_path, capsys,
                                                                     monkeypatch, bad_option, message):

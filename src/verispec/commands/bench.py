@@ -20,6 +20,9 @@ def register(sub) -> None:
     parser.add_argument("--gamma", "-g", type=draft_length, nargs="+", default=[4], help="draft lengths to try")
     parser.add_argument("--adaptive", nargs="?", const="cost", choices=["cost", "heuristic"], default=False,
                         help="choose γ each round, up to the largest --gamma")
+    parser.add_argument("--no-lookup", action="store_true",
+                        help="with --adaptive and a draft model, never send prompt lookup's drafts in the "
+                             "draft model's place")
     parser.add_argument("--prompts", "-p", default="spec-bench",
                         help="spec-bench, spec-bench:CATEGORY[,CATEGORY], a Spec-Bench-style JSONL file, "
                              "or a text file with one prompt per line")
@@ -63,13 +66,17 @@ def run(args) -> int:
     from verispec.spec.compat import check_tokenizers
 
     console = Console(highlight=False)
-    if args.draft_weights and not any(p.kind == "draft" for p in map(parse_proposer, args.draft)):
+    has_model = any(p.kind == "draft" for p in map(parse_proposer, args.draft))
+    if args.draft_weights and not has_model:
         raise VerispecError("--draft-weights sets a draft model's weight format, but no --draft here is a model")
+    if args.no_lookup and (not has_model or args.adaptive != "cost"):
+        raise VerispecError("--no-lookup keeps --adaptive's rounds to the draft model, but "
+                            + ("no --draft here is a model" if not has_model else "--adaptive cost is not on"))
     if args.threads:
         torch.set_num_threads(args.threads)
     adaptive = [args.adaptive] if args.adaptive else [False]
     gammas = [max(args.gamma)] if args.adaptive else args.gamma
-    configs = spec_configs(args.draft, gammas, adaptive)
+    configs = spec_configs(args.draft, gammas, adaptive, lookup=not args.no_lookup)
     prompts = load_prompts(args.prompts, args.limit or None)
     settings = BenchSettings(max_tokens=args.max_tokens, repeats=args.repeats, temperature=args.temperature,
                              seed=args.seed, chat=False if args.no_chat else None, ignore_eos=args.ignore_eos,

@@ -63,12 +63,19 @@ class RunConfig:
     proposer: ProposerSpec
     gamma: int = 0
     adaptive: bool | str = False
+    lookup: bool = True  # with the cost-aware schedule, a draft model's rounds may send prompt lookup's drafts
+
+    @property
+    def weighs_lookup(self) -> bool:
+        return self.lookup and self.adaptive == "cost" and self.proposer.kind == "draft"
 
     @property
     def label(self) -> str:
         if self.proposer.kind == "baseline":
             return "baseline"
         schedule = f" adaptive={self.adaptive}" if self.adaptive else ""
+        if not self.lookup and self.adaptive == "cost" and self.proposer.kind == "draft":
+            schedule += " no-lookup"
         return f"{self.proposer.label} γ={self.gamma}{schedule}"
 
 
@@ -267,7 +274,7 @@ class Bench:
             result = generate(self.target, prompt_ids, draft=self.proposer(config, reference, repeat),
                               gamma=config.gamma, adaptive=config.adaptive, max_tokens=max_tokens,
                               temperature=s.temperature, seed=s.seed + repeat, ignore_eos=s.ignore_eos,
-                              ngram=s.ngram)
+                              ngram=s.ngram, lookup=config.lookup)
         return result, counter.passes
 
     def measure(self, key: str, prompt_set: str, prompt: Prompt, prompt_ids: list[int], config: RunConfig,
@@ -333,6 +340,7 @@ class Bench:
             "alpha": config.proposer.alpha,
             "gamma": config.gamma,
             "adaptive": config.adaptive,
+            "lookup": config.weighs_lookup,
             "repeat": repeat,
             "max_tokens": self.settings.max_tokens,
             "temperature": self.settings.temperature,
@@ -358,8 +366,10 @@ class Bench:
         }
 
 
-def spec_configs(proposers: list[str], gammas: list[int], adaptive: list[bool | str] | None = None) -> list[RunConfig]:
-    """The grid of speculative configurations: proposers × γ × schedules."""
+def spec_configs(proposers: list[str], gammas: list[int], adaptive: list[bool | str] | None = None,
+                 lookup: bool = True) -> list[RunConfig]:
+    """The grid of speculative configurations: proposers × γ × schedules (`lookup`: whether the
+    cost-aware schedule may send prompt lookup's drafts in a draft model's place)."""
     configs = []
     for text in proposers:
         spec = parse_proposer(text)
@@ -367,5 +377,5 @@ def spec_configs(proposers: list[str], gammas: list[int], adaptive: list[bool | 
             continue
         for gamma in gammas:
             for schedule in adaptive or [False]:
-                configs.append(RunConfig(spec, gamma, schedule))
+                configs.append(RunConfig(spec, gamma, schedule, lookup))
     return configs

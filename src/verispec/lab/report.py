@@ -36,6 +36,7 @@ class Row:
     proposer_kind: str
     gamma: int
     adaptive: bool | str
+    lookup: bool = False  # the cost-aware schedule sent prompt lookup's drafts in a draft model's place
     runs: int = 0
     excluded: int = 0  # runs left out of the speed-up after failing an audit
     baseline_tok_s: float | None = None
@@ -56,11 +57,13 @@ class Row:
 
     @property
     def group(self) -> tuple:
-        return (self.target, self.weights, self.prompt_set, self.proposer, self.adaptive)
+        return (self.target, self.weights, self.prompt_set, self.proposer, self.adaptive, self.lookup)
 
     @property
     def schedule(self) -> str:
-        return f" (adaptive: {self.adaptive})" if self.adaptive else ""
+        if not self.adaptive:
+            return ""
+        return f" (adaptive: {self.adaptive}{'' if self.lookup or self.proposer_kind != 'draft' else ', no lookup'})"
 
 
 def _prompt_key(record: dict) -> tuple:
@@ -81,6 +84,14 @@ def baseline_speeds(records: list[dict]) -> dict[tuple, float]:
     return {key: statistics.median(speeds) for key, speeds in runs.items()}
 
 
+def _weighs_lookup(record: dict) -> bool:
+    """Whether prompt lookup could take a draft model's rounds (records written before the flag:
+    whenever the schedule was the cost-aware one and the proposer a draft model)."""
+    if "lookup" in record:
+        return bool(record["lookup"])
+    return record.get("adaptive") == "cost" and record.get("proposer_kind", "draft") == "draft"
+
+
 def summarize(records: list[dict], slack: float = DEFAULT_SLACK) -> list[Row]:
     """One Row per speculative configuration, in the order the records first name them."""
     baselines = baseline_speeds(records)
@@ -88,7 +99,7 @@ def summarize(records: list[dict], slack: float = DEFAULT_SLACK) -> list[Row]:
     for record in records:
         if record.get("proposer_kind") != "baseline":
             key = (record["target"], record["weights"], record["prompt_set"], record["proposer"],
-                   record["gamma"], record.get("adaptive") or False)
+                   record["gamma"], record.get("adaptive") or False, _weighs_lookup(record))
             groups.setdefault(key, []).append(record)
     rows = [_row(key, runs, baselines, slack) for key, runs in groups.items()]
     order = {group: i for i, group in enumerate(dict.fromkeys(r.group for r in rows))}
@@ -96,9 +107,9 @@ def summarize(records: list[dict], slack: float = DEFAULT_SLACK) -> list[Row]:
 
 
 def _row(key: tuple, runs: list[dict], baselines: dict[tuple, float], slack: float) -> Row:
-    target, weights, prompt_set, proposer, gamma, adaptive = key
+    target, weights, prompt_set, proposer, gamma, adaptive, lookup = key
     row = Row(target, weights, prompt_set, proposer, runs[0].get("proposer_kind", "draft"), gamma, adaptive,
-              runs=len(runs))
+              lookup, runs=len(runs))
     checks = [run_checks(run, baselines.get(_prompt_key(run)), slack=slack) for run in runs]
     kept = [run for run, c in zip(runs, checks)
             if all(v.valid for v in c.values()) and baselines.get(_prompt_key(run))]
