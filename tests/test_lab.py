@@ -464,6 +464,25 @@ def test_sweep_drafts_in_each_targets_format_unless_told(models, prompt_file, tm
     assert drafted == [("float32", "int4"), ("int8", "int4")]
 
 
+def test_sweep_lookup_both_ways_runs_each_adaptive_draft_model_configuration_twice(models, tmp_path):
+    """`lookup: [true, false]` doubles only the configurations it means something to: the draft
+    model's under the cost-aware schedule, not prompt lookup's own nor a fixed γ."""
+    prompts = tmp_path / "repeating.txt"
+    prompts.write_text("the cat sat on the mat. " * 4 + "\n")
+    config = sweep.sweep_config_from_dict({
+        "targets": [str(models / "target")], "proposers": [str(models / "same"), "ngram"], "gammas": [4],
+        "adaptive": [False, "cost"], "lookup": [True, False], "prompts": [str(prompts)], "limit": 1,
+        "max_tokens": 40, "ignore_eos": True, "chat": False, "repeats": 1, "warmup": False,
+        "out": str(tmp_path / "lookup.jsonl")})
+    assert [c.label.split(" ", 1)[1] for c in config.configs()] == [
+        "γ=4", "γ=4 adaptive=cost", "γ=4 adaptive=cost no-lookup", "γ=4", "γ=4 adaptive=cost"]
+    sweep.run_sweep(config)
+    runs = {(r["proposer_kind"], r["adaptive"], r["lookup"]): r for r in read_records(config.out)}
+    assert runs[("draft", "cost", True)]["spec"]["lookup_drafted"] > 0
+    assert runs[("draft", "cost", False)]["spec"]["lookup_drafted"] == 0
+    assert len(runs) == 6 and all(r["audit"]["output"]["status"] == audit.VALID for r in runs.values())
+
+
 def test_sweep_config_errors(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("targets: [x]\nproposers: [ngram]\ngamas: [4]\n")
@@ -771,6 +790,7 @@ def test_demo_keeps_the_results_file_when_its_input_is_bad(models, prompt_file, 
     ("temperature", ".nan"), ("seed", "x"), ("ngram", "3"), ("ngram", "[1, 3]"), ("slack", "x"), ("slack", "2"),
     ("bandwidth_gb_s", "fast"), ("gammas", "[1000]"), ("gammas", "[0]"), ("gammas", "[]"), ("gammas", "[true]"),
     ("weights", "[]"), ("weights", "[int3]"), ("adaptive", "[0]"), ("max_tokens", "1"), ("warmup", "maybe"),
+    ("lookup", "[]"), ("lookup", "[1]"),
 ])
 def test_sweep_config_value_of_the_wrong_type_is_one_line_before_any_model_loads(models, prompt_file, tmp_path,
                                                                                  capsys, monkeypatch, key, value):

@@ -76,7 +76,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     adaptive = [args.adaptive] if args.adaptive else [False]
     gammas = [max(args.gamma)] if args.adaptive else args.gamma
-    configs = spec_configs(args.draft, gammas, adaptive, lookup=not args.no_lookup)
+    configs = spec_configs(args.draft, gammas, adaptive, lookup=[not args.no_lookup])
     prompts = load_prompts(args.prompts, args.limit or None)
     settings = BenchSettings(max_tokens=args.max_tokens, repeats=args.repeats, temperature=args.temperature,
                              seed=args.seed, chat=False if args.no_chat else None, ignore_eos=args.ignore_eos,

@@ -367,9 +367,10 @@ class Bench:
 
 
 def spec_configs(proposers: list[str], gammas: list[int], adaptive: list[bool | str] | None = None,
-                 lookup: bool = True) -> list[RunConfig]:
-    """The grid of speculative configurations: proposers × γ × schedules (`lookup`: whether the
-    cost-aware schedule may send prompt lookup's drafts in a draft model's place)."""
+                 lookup: list[bool] | None = None) -> list[RunConfig]:
+    """The grid of speculative configurations: proposers × γ × schedules × `lookup` (whether the
+    cost-aware schedule may send prompt lookup's drafts in a draft model's place; a configuration
+    it means nothing to is made once)."""
     configs = []
     for text in proposers:
         spec = parse_proposer(text)
@@ -377,5 +378,7 @@ def spec_configs(proposers: list[str], gammas: list[int], adaptive: list[bool | 
             continue
         for gamma in gammas:
             for schedule in adaptive or [False]:
-                configs.append(RunConfig(spec, gamma, schedule, lookup))
+                weighs = schedule == "cost" and spec.kind == "draft"
+                choices = dict.fromkeys(lookup or [True]) if weighs else [True]
+                configs.extend(RunConfig(spec, gamma, schedule, choice) for choice in choices)
     return configs

@@ -7,6 +7,7 @@
     proposers: [qwen2.5-coder-0.5b, ngram, "synthetic:0.6", "synthetic:0.9"]
     gammas: [4, 8, 16]
     adaptive: [false]                # or cost / heuristic
+    lookup: [true]                   # with cost: may prompt lookup's drafts take a draft model's rounds
     prompts: ["spec-bench:coding", prompts.txt]
     limit: 3                         # prompts per set (see verispec.lab.prompts)
     max_tokens: 64
@@ -48,6 +49,7 @@ class SweepConfig:
     weights: list[str] = field(default_factory=lambda: ["float32"])
     draft_weights: str | None = None
     adaptive: list[bool | str] = field(default_factory=lambda: [False])
+    lookup: list[bool] = field(default_factory=lambda: [True])
     prompts: list[str] = field(default_factory=lambda: ["spec-bench"])
     limit: int | None = None
     out: str | None = None
@@ -56,7 +58,7 @@ class SweepConfig:
     settings: BenchSettings = field(default_factory=BenchSettings)
 
     def configs(self) -> list[RunConfig]:
-        return spec_configs(self.proposers, self.gammas, self.adaptive)
+        return spec_configs(self.proposers, self.gammas, self.adaptive, self.lookup)
 
     def draft_format(self, target_weights: str) -> str:
         """The format the draft models run in beside a target in `target_weights`."""
@@ -67,7 +69,7 @@ class SweepConfig:
 
 
 _SETTING_KEYS = {f.name for f in fields(BenchSettings)}
-_LIST_KEYS = {"targets", "proposers", "gammas", "weights", "adaptive", "prompts"}
+_LIST_KEYS = {"targets", "proposers", "gammas", "weights", "adaptive", "lookup", "prompts"}
 _KEYS = {f.name for f in fields(SweepConfig)} - {"settings"} | _SETTING_KEYS
 
 
@@ -147,6 +149,8 @@ _EXPECTED: dict[str, tuple[Callable[[object], bool], str]] = {
     "weights": (_one_or_more(_is_weight_format), f"one or more weight formats ({_FORMATS})"),
     "draft_weights": (_optional(_is_weight_format), f"a weight format ({_FORMATS})"),
     "adaptive": (_one_or_more(_is_schedule), "one or more of false, cost and heuristic"),
+    "lookup": (_one_or_more(_is_flag), "true, false or [true, false] (with adaptive: cost, whether prompt "
+                                       "lookup's drafts may take a draft model's rounds)"),
     "prompts": (_one_or_more(_text), "one or more prompt sources (spec-bench[:CATEGORY] or files)"),
     "limit": (_optional(lambda n: is_whole(n, 1)), "a whole number >= 1 (prompts per set)"),
     "out": (_optional(_text), "a file name"),
