@@ -24,19 +24,22 @@ plain runs: `current` (the engine as it is), `draft-only` (the engine without pr
 lookup's drafts in the draft model's place: generate(lookup=False)), and trials the engine
 does not carry: `draft-first` (prompt lookup takes a draft model's round only after
 DRAFT_FIRST rounds of the draft model's own, and never a probe), `late-probe` (LATE_PROBE
-plain steps before the first speculative round), `plain-bound` (a plain step's time
-bounded by the smallest longer pass's only, not by every size's), `first-look` (the draft
-reads only the last FIRST_LOOK positions before drafting until the target keeps one of its
-drafts, then the last READY_LAG afresh: a failed probe costs a short pass), `light-prior`
-(the policy's prior on α worth one round, not two: after a first round whose drafts were
-all rejected, α = 0.3 instead of 0.4), `short-window` (the draft reads at most the last
-SHORT_WINDOW positions when it catches up, not READY_LAG), `first-draft-apart` (the
-engine before its catch-up pass gave the first draft too: the pass reads all but the last
-token, and the first draft step reads that one on its own) and `confident-probe` (the first
-speculative round waits for a plain step whose token the target gave at least CONFIDENT
-probability) and `quick-reprobe` (once speculation is given up, the first probe comes after
-QUICK_REPROBE plain steps, not 64, doubling from there). benchmarks/policy_replay.py
-replays the same variants on a virtual clock, without the machine's noise.
+plain steps before the first speculative round), `plain-bound` (a plain step's time bounded
+by the smallest longer pass's only, not by every size's), `first-look` (the draft reads only
+the last FIRST_LOOK positions before drafting until the target keeps one of its drafts, then
+the last READY_LAG afresh: a failed probe costs a short pass), `light-prior` (the policy's
+prior on α worth one round both ways: after a first round whose drafts were all rejected, α
+= 0.3 instead of the engine's 0.48), `heavy-prior` (worth four both ways, where the engine's
+is worth two while the drafts do better than the prior and four while they do worse),
+`fast-fall` (the engine before: worth two both ways), `short-window` (the draft reads at
+most the last SHORT_WINDOW positions when it catches up, not READY_LAG), `first-draft-apart`
+(the engine before its catch-up pass gave the first draft too: the pass reads all but the
+last token, and the first draft step reads that one on its own), `confident-probe` (the
+first speculative round waits for a plain step whose token the target gave at least
+CONFIDENT probability) and `quick-reprobe` (once speculation is given up, the first probe
+comes after QUICK_REPROBE plain steps, not 64, doubling from there).
+benchmarks/policy_replay.py replays the same variants on a virtual clock, without the
+machine's noise.
 """
 
 from __future__ import annotations
@@ -147,7 +150,8 @@ class FirstDraftApartProposer(ReadingProposer):
 # the trials that draft through a proposer of their own; the rest change generate() (policy())
 PROPOSERS = {"first-look": FirstLookProposer, "first-draft-apart": FirstDraftApartProposer}
 VARIANTS = ["current", "draft-only", "draft-first", "late-probe", "plain-bound", "first-look", "light-prior",
-            "short-window", "first-draft-apart", "confident-probe", "quick-reprobe"]
+            "short-window", "first-draft-apart", "confident-probe", "quick-reprobe", "heavy-prior",
+            "fast-fall"]
 
 DRAFT_FIRST = 4
 
@@ -273,15 +277,20 @@ def plain_bound_policy(max_gamma: int):
 
 @contextmanager
 def policy(variant: str):
-    """generate() as it is, or with the `light-prior` trial's prior, the `draft-first`,
-    `late-probe`, `plain-bound`, `confident-probe` or `quick-reprobe` trial's policy, or the
-    `short-window` trial's window."""
+    """generate() as it is, or with the `light-prior` or `heavy-prior` trial's prior, the
+    `draft-first`, `late-probe`, `plain-bound`, `confident-probe` or `quick-reprobe` trial's
+    policy, the `fast-fall` trial's (the engine's before), or the `short-window` trial's window."""
     import verispec.generate as generation
     from verispec.spec.gamma import CostAwareGamma
 
     saved = generation.make_policy, generation.READY_LAG, generation.verify_greedy
     if variant == "light-prior":
-        generation.make_policy = lambda gamma, adaptive: CostAwareGamma(max_gamma=max(gamma, 16), prior_weight=1.0)
+        generation.make_policy = lambda gamma, adaptive: CostAwareGamma(max_gamma=max(gamma, 16), prior_weight=1.0,
+                                                                        fall_weight=1.0)
+    if variant == "fast-fall":
+        generation.make_policy = lambda gamma, adaptive: CostAwareGamma(max_gamma=max(gamma, 16), fall_weight=2.0)
+    if variant == "heavy-prior":
+        generation.make_policy = lambda gamma, adaptive: CostAwareGamma(max_gamma=max(gamma, 16), prior_weight=4.0)
     if variant == "draft-first":
         generation.make_policy = lambda gamma, adaptive: draft_first_policy(max(gamma, 16))
     if variant == "late-probe":

@@ -1057,7 +1057,7 @@ def test_adaptive_split_accounts_for_every_pass_and_its_trials_keep_the_output(f
     records = adaptive_split.requests(target, target, prompt, 30, 4, adaptive_split.VARIANTS)
     assert set(records) == {"current", "draft-only", "draft-first", "late-probe", "plain-bound", "first-look",
                             "light-prior", "short-window", "first-draft-apart", "confident-probe",
-                            "quick-reprobe"}
+                            "quick-reprobe", "heavy-prior", "fast-fall"}
     assert records["draft-only"]["lookup_drafted"] == 0
     for name, r in records.items():
         assert r["valid"], name
@@ -1243,3 +1243,4 @@ def test_quick_reprobe_trial_probes_soon_after_giving_up_then_ever_more_rarely(m
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert probes[0] == adaptive_split.QUICK_REPROBE - 1
     assert gaps[:4] == [16, 32, 64, 128] and max(gaps) == 8 * policy.probe_every
+

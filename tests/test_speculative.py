@@ -262,6 +262,23 @@ def test_cost_aware_policy_falls_back_and_probes_ever_more_rarely():
     assert gaps == sorted(gaps)  # backing off
 
 
+def test_cost_aware_policy_prior_weighs_more_against_a_fall_than_a_rise():
+    """After a round whose drafts were all rejected α is the four-round prior's 0.48, not the
+    two-round prior's 0.4 (one failed probe does not end speculation where rounds are cheap);
+    after rounds whose drafts were all kept it is the two-round prior's, which rises faster."""
+    from verispec.spec.gamma import CostAwareGamma
+
+    policy, both_ways, heavy = CostAwareGamma(), CostAwareGamma(fall_weight=2.0), CostAwareGamma(prior_weight=4.0)
+    for p in (policy, both_ways, heavy):
+        p.update(2, 0, 0.01, 0.03)
+    assert policy.alpha == pytest.approx(0.48) and both_ways.alpha == pytest.approx(0.4)
+    for p in (policy, both_ways, heavy):
+        for _ in range(5):
+            p.update(4, 4, 0.02, 0.04)
+    assert policy.alpha == pytest.approx(both_ways.alpha) and policy.alpha > 0.9
+    assert heavy.alpha < policy.alpha - 0.02  # a prior worth four both ways holds a good draft back
+
+
 def test_cost_aware_policy_prices_a_draft_step_not_a_draft_token():
     """A round whose first draft came from the pass that read the context took one draft step
     fewer than its drafts: the policy's cost of a draft step is its time over the steps taken,

@@ -66,7 +66,8 @@ class CostAwareGamma:
     probe_gamma: int = 2  # also the γ of the first speculative round
     margin: float = 0.05  # speculate only when it promises at least this much more
     prior_alpha: float = 0.6
-    prior_weight: float = 2.0
+    prior_weight: float = 2.0  # rounds the prior is worth while the drafts do better than it
+    fall_weight: float = 4.0  # and while they do worse: one failed probe does not end speculation
     kept: float = 0.0
     rejected: float = 0.0
     draft_step_s: float | None = None
@@ -85,9 +86,14 @@ class CostAwareGamma:
         return self._estimate(self.lookup_kept, self.lookup_rejected)
 
     def _estimate(self, kept: float, rejected: float) -> float:
-        kept += self.prior_alpha * self.prior_weight
-        rejected += (1 - self.prior_alpha) * self.prior_weight
-        return kept / (kept + rejected)
+        """α from the decayed counts and the prior. The prior weighs more against a fall than a
+        rise (the larger of the two estimates): a good draft's α rises fast, and one probe that
+        keeps nothing leaves α at 0.48, not 0.4, so the cost model, not the luck of a first
+        round, decides whether speculating on pays (where a short pass costs little more than
+        a step it does; where it is dear it does not)."""
+        def with_prior(weight: float) -> float:
+            return (kept + self.prior_alpha * weight) / (kept + rejected + weight)
+        return max(with_prior(self.prior_weight), with_prior(self.fall_weight))
 
     def verify_time(self, positions: int) -> float | None:
         """Measured time of a pass over `positions`, interpolated between measured sizes."""
