@@ -1222,25 +1222,3 @@ def test_draft_context_measures_agreement_by_window_and_lookup_on_a_model_agains
         assert 0.0 < found <= 1.0 and 0.0 <= right <= 1.0  # the repeated text gives lookup something
         assert draft_context.reading_ms(target, prompt_ids) > 0
 
-
-def test_quick_reprobe_trial_probes_soon_after_giving_up_then_ever_more_rarely(monkeypatch):
-    """adaptive_split.py's `quick-reprobe` trial: the first probe after speculation is given up
-    comes after QUICK_REPROBE plain rounds, and the waits double from there to the engine's longest."""
-    import importlib
-
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    adaptive_split = importlib.import_module("adaptive_split")
-    policy = adaptive_split.quick_reprobe_policy(16)
-    policy.update(0, 0, 0.0, 0.010)  # a plain step: 10 ms
-    for _ in range(3):  # drafts that are always rejected, at a draft step of 4 ms
-        policy.update(4, 0, 0.016, 0.013)
-    choices = []
-    for _ in range(2000):
-        gamma = policy.choose()
-        choices.append(gamma)
-        policy.update(gamma, 0, 0.004 * gamma, 0.010 + 0.001 * gamma)
-    probes = [i for i, g in enumerate(choices) if g > 0]
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert probes[0] == adaptive_split.QUICK_REPROBE - 1
-    assert gaps[:4] == [16, 32, 64, 128] and max(gaps) == 8 * policy.probe_every
-

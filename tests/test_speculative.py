@@ -245,21 +245,43 @@ def test_verifier_alone_is_lossless_for_a_one_hot_draft():
     assert chisquare(counts, expected.tolist()).pvalue > 0.01
 
 
+def probes_while_drafts_fail(policy, rounds: int = 2000) -> list[int]:
+    """The rounds in which `policy` speculates when every draft is rejected, after a plain step
+    of 10 ms and three failed rounds (a draft step costs 4 ms, each verified position 1 ms)."""
+    policy.update(0, 0, 0.0, 0.010)
+    for _ in range(3):
+        policy.update(4, 0, 0.016, 0.013)
+    probes = []
+    for i in range(rounds):
+        gamma = policy.choose()
+        if gamma > 0:
+            probes.append(i)
+        policy.update(gamma, 0, 0.004 * gamma, 0.010 + 0.001 * gamma)
+    return probes
+
+
 def test_cost_aware_policy_falls_back_and_probes_ever_more_rarely():
     from verispec.spec.gamma import CostAwareGamma
-    policy = CostAwareGamma()
-    policy.update(0, 0, 0.0, 0.010)  # a plain step: 10 ms
-    for _ in range(3):  # drafts that are always rejected, at a draft step of 4 ms
-        policy.update(4, 0, 0.016, 0.013)
-    choices = []
-    for _ in range(2000):
-        gamma = policy.choose()
-        choices.append(gamma)
-        policy.update(gamma, 0, 0.004 * gamma, 0.010 + 0.001 * gamma)
-    probes = [i for i, g in enumerate(choices) if g > 0]
+    probes = probes_while_drafts_fail(CostAwareGamma())
     assert 3 <= len(probes) <= 8  # intervals 64, 128, 256, 512, 512, ...: well under 1% of rounds
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps == sorted(gaps)  # backing off
+
+
+def test_quick_reprobe_trial_probes_soon_after_giving_up_then_ever_more_rarely(monkeypatch):
+    """benchmarks/adaptive_split.py's `quick-reprobe` trial: the first probe after speculation is
+    given up comes after QUICK_REPROBE plain rounds, and the waits double from there to the
+    engine's longest."""
+    import importlib
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    adaptive_split = importlib.import_module("adaptive_split")
+    policy = adaptive_split.quick_reprobe_policy(16)
+    probes = probes_while_drafts_fail(policy)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes[0] == adaptive_split.QUICK_REPROBE - 1
+    assert gaps[:4] == [16, 32, 64, 128] and max(gaps) == 8 * policy.probe_every
 
 
 def test_cost_aware_policy_prior_weighs_more_against_a_fall_than_a_rise():
