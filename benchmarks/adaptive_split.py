@@ -36,8 +36,9 @@ most the last SHORT_WINDOW positions when it catches up, not READY_LAG), `first-
 (the engine before its catch-up pass gave the first draft too: the pass reads all but the
 last token, and the first draft step reads that one on its own), `confident-probe` (the
 first speculative round waits for a plain step whose token the target gave at least
-CONFIDENT probability) and `quick-reprobe` (once speculation is given up, the first probe
-comes after QUICK_REPROBE plain steps, not 64, doubling from there).
+CONFIDENT probability), `quick-reprobe` (once speculation is given up, the first probe
+comes after QUICK_REPROBE plain steps, not 64, doubling from there) and `early-cap` (an
+answer's first EARLY_ROUNDS speculative rounds draft at most EARLY_CAP tokens).
 benchmarks/policy_replay.py replays the same variants on a virtual clock, without the
 machine's noise.
 """
@@ -151,7 +152,7 @@ class FirstDraftApartProposer(ReadingProposer):
 PROPOSERS = {"first-look": FirstLookProposer, "first-draft-apart": FirstDraftApartProposer}
 VARIANTS = ["current", "draft-only", "draft-first", "late-probe", "plain-bound", "first-look", "light-prior",
             "short-window", "first-draft-apart", "confident-probe", "quick-reprobe", "heavy-prior",
-            "fast-fall"]
+            "fast-fall", "early-cap"]
 
 DRAFT_FIRST = 4
 
@@ -260,6 +261,28 @@ def quick_reprobe_policy(max_gamma: int):
     return QuickReprobeGamma(max_gamma=max_gamma)
 
 
+EARLY_CAP, EARLY_ROUNDS = 2, 6
+
+
+def early_cap_policy(max_gamma: int):
+    """The `early-cap` trial's policy: the first EARLY_ROUNDS speculative rounds of an answer
+    draft at most EARLY_CAP tokens, so that a short answer's few rounds waste little on drafts
+    past its first miss, while a long one's later rounds draft as the engine's do."""
+    from verispec.spec.gamma import CostAwareGamma
+
+    class EarlyCapGamma(CostAwareGamma):
+        spec_rounds: int = 0
+
+        def choose(self) -> int:
+            gamma = super().choose()
+            if gamma and self.spec_rounds < EARLY_ROUNDS:
+                self.spec_rounds += 1
+                return min(gamma, EARLY_CAP)
+            return gamma
+
+    return EarlyCapGamma(max_gamma=max_gamma)
+
+
 def plain_bound_policy(max_gamma: int):
     """The `plain-bound` trial's policy: a plain step's time is its own estimate, bounded only
     by the smallest longer pass's, not by the least of all sizes' estimates (with noisy
@@ -278,8 +301,8 @@ def plain_bound_policy(max_gamma: int):
 @contextmanager
 def policy(variant: str):
     """generate() as it is, or with the `light-prior` or `heavy-prior` trial's prior, the
-    `draft-first`, `late-probe`, `plain-bound`, `confident-probe` or `quick-reprobe` trial's
-    policy, the `fast-fall` trial's (the engine's before), or the `short-window` trial's window."""
+    `draft-first`, `late-probe`, `plain-bound`, `confident-probe`, `quick-reprobe` or
+    `early-cap` trial's policy, the `fast-fall` trial's (the engine's before), or the `short-window` trial's window."""
     import verispec.generate as generation
     from verispec.spec.gamma import CostAwareGamma
 
@@ -287,6 +310,8 @@ def policy(variant: str):
     if variant == "light-prior":
         generation.make_policy = lambda gamma, adaptive: CostAwareGamma(max_gamma=max(gamma, 16), prior_weight=1.0,
                                                                         fall_weight=1.0)
+    if variant == "early-cap":
+        generation.make_policy = lambda gamma, adaptive: early_cap_policy(max(gamma, 16))
     if variant == "fast-fall":
         generation.make_policy = lambda gamma, adaptive: CostAwareGamma(max_gamma=max(gamma, 16), fall_weight=2.0)
     if variant == "heavy-prior":

@@ -1057,7 +1057,7 @@ def test_adaptive_split_accounts_for_every_pass_and_its_trials_keep_the_output(f
     records = adaptive_split.requests(target, target, prompt, 30, 4, adaptive_split.VARIANTS)
     assert set(records) == {"current", "draft-only", "draft-first", "late-probe", "plain-bound", "first-look",
                             "light-prior", "short-window", "first-draft-apart", "confident-probe",
-                            "quick-reprobe", "heavy-prior", "fast-fall"}
+                            "quick-reprobe", "heavy-prior", "fast-fall", "early-cap"}
     assert records["draft-only"]["lookup_drafted"] == 0
     for name, r in records.items():
         assert r["valid"], name
