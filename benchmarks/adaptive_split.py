@@ -298,36 +298,42 @@ def plain_bound_policy(max_gamma: int):
     return PlainBoundGamma(max_gamma=max_gamma)
 
 
+def prior_policy(**prior):
+    """A trial of the engine's policy with another prior on α (`prior_weight`, `fall_weight`)."""
+    def make(max_gamma: int):
+        from verispec.spec.gamma import CostAwareGamma
+
+        return CostAwareGamma(max_gamma=max_gamma, **prior)
+    return make
+
+
+# the trials that change the policy generate() makes, by the largest γ it may choose
+POLICIES = {
+    "light-prior": prior_policy(prior_weight=1.0, fall_weight=1.0),
+    "heavy-prior": prior_policy(prior_weight=4.0),
+    "fast-fall": prior_policy(fall_weight=2.0),  # the engine's before
+    "draft-first": draft_first_policy,
+    "late-probe": late_probe_policy,
+    "plain-bound": plain_bound_policy,
+    "confident-probe": confident_probe_policy,
+    "quick-reprobe": quick_reprobe_policy,
+    "early-cap": early_cap_policy,
+}
+
+
 @contextmanager
 def policy(variant: str):
-    """generate() as it is, or with the `light-prior` or `heavy-prior` trial's prior, the
-    `draft-first`, `late-probe`, `plain-bound`, `confident-probe`, `quick-reprobe` or
-    `early-cap` trial's policy, the `fast-fall` trial's (the engine's before), or the `short-window` trial's window."""
+    """generate() as it is, or with a trial's policy (POLICIES; `confident-probe` also records
+    the target's confidence), or the `short-window` trial's window."""
     import verispec.generate as generation
-    from verispec.spec.gamma import CostAwareGamma
 
     saved = generation.make_policy, generation.READY_LAG, generation.verify_greedy
-    if variant == "light-prior":
-        generation.make_policy = lambda gamma, adaptive: CostAwareGamma(max_gamma=max(gamma, 16), prior_weight=1.0,
-                                                                        fall_weight=1.0)
-    if variant == "early-cap":
-        generation.make_policy = lambda gamma, adaptive: early_cap_policy(max(gamma, 16))
-    if variant == "fast-fall":
-        generation.make_policy = lambda gamma, adaptive: CostAwareGamma(max_gamma=max(gamma, 16), fall_weight=2.0)
-    if variant == "heavy-prior":
-        generation.make_policy = lambda gamma, adaptive: CostAwareGamma(max_gamma=max(gamma, 16), prior_weight=4.0)
-    if variant == "draft-first":
-        generation.make_policy = lambda gamma, adaptive: draft_first_policy(max(gamma, 16))
-    if variant == "late-probe":
-        generation.make_policy = lambda gamma, adaptive: late_probe_policy(max(gamma, 16))
-    if variant == "plain-bound":
-        generation.make_policy = lambda gamma, adaptive: plain_bound_policy(max(gamma, 16))
+    if variant in POLICIES:
+        make = POLICIES[variant]
+        generation.make_policy = lambda gamma, adaptive: make(max(gamma, 16))
     if variant == "confident-probe":
-        generation.make_policy = lambda gamma, adaptive: confident_probe_policy(max(gamma, 16))
         generation.verify_greedy = Confidence.recording(generation.verify_greedy)
         Confidence.last = 1.0
-    if variant == "quick-reprobe":
-        generation.make_policy = lambda gamma, adaptive: quick_reprobe_policy(max(gamma, 16))
     if variant == "short-window":
         generation.READY_LAG = SHORT_WINDOW
     try:

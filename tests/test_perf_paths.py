@@ -1221,4 +1221,3 @@ def test_draft_context_measures_agreement_by_window_and_lookup_on_a_model_agains
         found, right = draft_context.lookup_agreement(prompt_ids, answer)
         assert 0.0 < found <= 1.0 and 0.0 <= right <= 1.0  # the repeated text gives lookup something
         assert draft_context.reading_ms(target, prompt_ids) > 0
-

@@ -66,15 +66,16 @@ class RunConfig:
     lookup: bool = True  # with the cost-aware schedule, a draft model's rounds may send prompt lookup's drafts
 
     @property
-    def weighs_lookup(self) -> bool:
-        return self.lookup and self.adaptive == "cost" and self.proposer.kind == "draft"
+    def lookup_applies(self) -> bool:
+        """Only the cost-aware schedule with a draft model weighs prompt lookup's drafts."""
+        return self.adaptive == "cost" and self.proposer.kind == "draft"
 
     @property
     def label(self) -> str:
         if self.proposer.kind == "baseline":
             return "baseline"
         schedule = f" adaptive={self.adaptive}" if self.adaptive else ""
-        if not self.lookup and self.adaptive == "cost" and self.proposer.kind == "draft":
+        if self.lookup_applies and not self.lookup:
             schedule += " no-lookup"
         return f"{self.proposer.label} γ={self.gamma}{schedule}"
 
@@ -340,7 +341,7 @@ class Bench:
             "alpha": config.proposer.alpha,
             "gamma": config.gamma,
             "adaptive": config.adaptive,
-            "lookup": config.weighs_lookup,
+            "lookup": config.lookup if config.lookup_applies else None,
             "repeat": repeat,
             "max_tokens": self.settings.max_tokens,
             "temperature": self.settings.temperature,
@@ -378,7 +379,7 @@ def spec_configs(proposers: list[str], gammas: list[int], adaptive: list[bool | 
             continue
         for gamma in gammas:
             for schedule in adaptive or [False]:
-                weighs = schedule == "cost" and spec.kind == "draft"
+                weighs = RunConfig(spec, gamma, schedule).lookup_applies
                 choices = dict.fromkeys(lookup or [True]) if weighs else [True]
                 configs.extend(RunConfig(spec, gamma, schedule, choice) for choice in choices)
     return configs

@@ -36,7 +36,7 @@ class Row:
     proposer_kind: str
     gamma: int
     adaptive: bool | str
-    lookup: bool = False  # the cost-aware schedule sent prompt lookup's drafts in a draft model's place
+    lookup: bool | None = None  # whether prompt lookup's drafts could take a draft model's rounds (None: not weighed)
     runs: int = 0
     excluded: int = 0  # runs left out of the speed-up after failing an audit
     baseline_tok_s: float | None = None
@@ -63,7 +63,7 @@ class Row:
     def schedule(self) -> str:
         if not self.adaptive:
             return ""
-        return f" (adaptive: {self.adaptive}{'' if self.lookup or self.proposer_kind != 'draft' else ', no lookup'})"
+        return f" (adaptive: {self.adaptive}{', no lookup' if self.lookup is False else ''})"
 
 
 def _prompt_key(record: dict) -> tuple:
@@ -84,12 +84,12 @@ def baseline_speeds(records: list[dict]) -> dict[tuple, float]:
     return {key: statistics.median(speeds) for key, speeds in runs.items()}
 
 
-def _weighs_lookup(record: dict) -> bool:
-    """Whether prompt lookup could take a draft model's rounds (records written before the flag:
-    whenever the schedule was the cost-aware one and the proposer a draft model)."""
+def _weighs_lookup(record: dict) -> bool | None:
+    """Whether prompt lookup could take a draft model's rounds; None where it is not weighed
+    (records written before the flag: lookup was on wherever it applied)."""
     if "lookup" in record:
-        return bool(record["lookup"])
-    return record.get("adaptive") == "cost" and record.get("proposer_kind", "draft") == "draft"
+        return record["lookup"]
+    return True if record.get("adaptive") == "cost" and record.get("proposer_kind", "draft") == "draft" else None
 
 
 def summarize(records: list[dict], slack: float = DEFAULT_SLACK) -> list[Row]:
