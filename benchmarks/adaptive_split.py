@@ -55,6 +55,7 @@ import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
 
 from perf_common import add_pair_arguments, load_pair, median, save, verdict
+from verispec.spec.prompt_lookup import PromptLookupProposer
 
 
 class TimedModel:
@@ -148,11 +149,27 @@ class FirstDraftApartProposer(ReadingProposer):
         super().catch_up(context[:-1], window - 1)
 
 
-# the trials that draft through a proposer of their own; the rest change generate() (policy())
-PROPOSERS = {"first-look": FirstLookProposer, "first-draft-apart": FirstDraftApartProposer}
+class TimedReadingProposer(ReadingProposer):
+    """The `probe-budget` trial's proposer: it times each catch-up on generate()'s clock (the
+    virtual one in a replay) and leaves the seconds for the policy, which the engine's does not
+    see."""
+
+    unread_s = 0.0  # catch-up seconds since the policy's last round
+
+    def catch_up(self, context, window):
+        import verispec.generate as generation
+
+        started = generation.time.perf_counter()
+        super().catch_up(context, window)
+        TimedReadingProposer.unread_s += generation.time.perf_counter() - started
+
+
+# the trials that draft through a proposer of their own; the rest (and probe-budget) change generate() (policy())
+PROPOSERS = {"first-look": FirstLookProposer, "first-draft-apart": FirstDraftApartProposer,
+             "probe-budget": TimedReadingProposer}
 VARIANTS = ["current", "draft-only", "draft-first", "late-probe", "plain-bound", "first-look", "light-prior",
             "short-window", "first-draft-apart", "confident-probe", "quick-reprobe", "heavy-prior",
-            "fast-fall", "early-cap"]
+            "fast-fall", "early-cap", "probe-budget", "ngram-apart"]
 
 DRAFT_FIRST = 4
 
@@ -283,6 +300,80 @@ def early_cap_policy(max_gamma: int):
     return EarlyCapGamma(max_gamma=max_gamma)
 
 
+PROBE_SHARE = 0.1
+
+
+def probe_budget_policy(max_gamma: int):
+    """The `probe-budget` trial's policy: once speculation is given up, the next probe waits
+    until the plain steps since the last speculative round have cost what that round lost
+    (its catch-up reading, drafts and pass, less the plain steps its tokens saved) over
+    PROBE_SHARE, so that failed probes take at most that share of a request's time, and
+    probes come soon where they are cheap and late where they are dear."""
+    from verispec.spec.gamma import CostAwareGamma
+
+    class ProbeBudgetGamma(CostAwareGamma):
+        plain_s_since: float = 0.0
+        last_loss_s: float = 0.0
+
+        def choose(self) -> int:
+            gamma = super().choose()
+            if self.probe_interval == 0 or self.draft_step_s is None:
+                return gamma  # speculating, or measuring the costs
+            step = min(self.verify_s.values())
+            due = self.plain_s_since >= max(self.last_loss_s, step) / PROBE_SHARE
+            self.plain_rounds = 0  # the engine's count of plain rounds plays no part
+            return self.probe_gamma if due else 0
+
+        def update(self, gamma, accepted, draft_s, verify_s, draft_steps=None, lookup=False):
+            reading_s, TimedReadingProposer.unread_s = TimedReadingProposer.unread_s, 0.0
+            super().update(gamma, accepted, draft_s, verify_s, draft_steps, lookup)
+            if gamma == 0 or lookup:  # prompt lookup's rounds cost what plain steps do
+                self.plain_s_since += verify_s
+                return
+            step = min(self.verify_s.values())
+            self.plain_s_since = 0.0
+            self.last_loss_s = reading_s + draft_s + verify_s - (accepted + 1) * step
+
+    return ProbeBudgetGamma(max_gamma=max_gamma)
+
+
+class SizedLookup(PromptLookupProposer):
+    """The `ngram-apart` trial's prompt lookup: it notes the size of the n-gram whose
+    continuation it found (`matched`, 0 if none), which the trial's policy reads."""
+
+    matched = 0
+
+    def lookup(self, context, gamma):
+        found = super().lookup(context, gamma)
+        sizes = [n for n in range(self.max_ngram, self.min_ngram - 1, -1)
+                 if len(context) > n and tuple(context[-n:]) in self.ends[n]]
+        SizedLookup.matched = sizes[0] if found else 0
+        return found
+
+
+def ngram_apart_policy(max_gamma: int):
+    """The `ngram-apart` trial's policy: prompt lookup's acceptance learnt apart for each n-gram
+    size, so that a 3-gram's continuation can be trusted more than a 2-gram's."""
+    from verispec.spec.gamma import CostAwareGamma
+
+    class NgramApartGamma(CostAwareGamma):
+        def __init__(self, **options):
+            super().__init__(**options)
+            self.by_size: dict[int, tuple[float, float]] = {}
+
+        @property
+        def lookup_alpha(self) -> float:
+            return self._estimate(*self.by_size.get(SizedLookup.matched, (0.0, 0.0)))
+
+        def update(self, gamma, accepted, draft_s, verify_s, draft_steps=None, lookup=False):
+            super().update(gamma, accepted, draft_s, verify_s, draft_steps, lookup)
+            if lookup:
+                n = SizedLookup.matched
+                self.by_size[n] = self._observe(*self.by_size.get(n, (0.0, 0.0)), gamma, accepted)
+
+    return NgramApartGamma(max_gamma=max_gamma)
+
+
 def plain_bound_policy(max_gamma: int):
     """The `plain-bound` trial's policy: a plain step's time is its own estimate, bounded only
     by the smallest longer pass's, not by the least of all sizes' estimates (with noisy
@@ -318,28 +409,35 @@ POLICIES = {
     "confident-probe": confident_probe_policy,
     "quick-reprobe": quick_reprobe_policy,
     "early-cap": early_cap_policy,
+    "probe-budget": probe_budget_policy,
+    "ngram-apart": ngram_apart_policy,
 }
 
 
 @contextmanager
 def policy(variant: str):
     """generate() as it is, or with a trial's policy (POLICIES; `confident-probe` also records
-    the target's confidence), or the `short-window` trial's window."""
+    the target's confidence, `ngram-apart` looks up through SizedLookup), or the `short-window`
+    trial's window."""
     import verispec.generate as generation
 
-    saved = generation.make_policy, generation.READY_LAG, generation.verify_greedy
+    saved = generation.make_policy, generation.READY_LAG, generation.verify_greedy, generation.PromptLookupProposer
+    TimedReadingProposer.unread_s = 0.0
     if variant in POLICIES:
         make = POLICIES[variant]
         generation.make_policy = lambda gamma, adaptive: make(max(gamma, 16))
     if variant == "confident-probe":
         generation.verify_greedy = Confidence.recording(generation.verify_greedy)
         Confidence.last = 1.0
+    if variant == "ngram-apart":
+        generation.PromptLookupProposer = SizedLookup
     if variant == "short-window":
         generation.READY_LAG = SHORT_WINDOW
     try:
         yield
     finally:
-        generation.make_policy, generation.READY_LAG, generation.verify_greedy = saved
+        (generation.make_policy, generation.READY_LAG, generation.verify_greedy,
+         generation.PromptLookupProposer) = saved
 
 
 def timed_run(target, prompt: str, **options):

@@ -1047,6 +1047,7 @@ def test_adaptive_split_accounts_for_every_pass_and_its_trials_keep_the_output(f
     from verispec.generate import READY_LAG
     from verispec.sampling import SamplingParams
     from verispec.spec.draft_model import DraftModelProposer
+    from verispec.spec.prompt_lookup import PromptLookupProposer
     from verispec.spec.verifier import verify_greedy
 
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
@@ -1057,7 +1058,7 @@ def test_adaptive_split_accounts_for_every_pass_and_its_trials_keep_the_output(f
     records = adaptive_split.requests(target, target, prompt, 30, 4, adaptive_split.VARIANTS)
     assert set(records) == {"current", "draft-only", "draft-first", "late-probe", "plain-bound", "first-look",
                             "light-prior", "short-window", "first-draft-apart", "confident-probe",
-                            "quick-reprobe", "heavy-prior", "fast-fall", "early-cap"}
+                            "quick-reprobe", "heavy-prior", "fast-fall", "early-cap", "probe-budget", "ngram-apart"}
     assert records["draft-only"]["lookup_drafted"] == 0
     for name, r in records.items():
         assert r["valid"], name
@@ -1070,6 +1071,7 @@ def test_adaptive_split_accounts_for_every_pass_and_its_trials_keep_the_output(f
     import verispec.generate
     assert verispec.generate.READY_LAG == READY_LAG  # the trial's window does not outlive it
     assert verispec.generate.verify_greedy is verify_greedy  # nor the confidence's recording
+    assert verispec.generate.PromptLookupProposer is PromptLookupProposer  # nor ngram-apart's lookup
 
     # plain steps within NEAR steps after a speculative round are `near`, the rest `far`
     passes = [(1, 1.0), (3, 9.0), (1, 2.0), (1, 2.0), (1, 2.0), (1, 4.0), (5, 9.0), (1, 6.0)]

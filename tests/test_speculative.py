@@ -284,6 +284,65 @@ def test_quick_reprobe_trial_probes_soon_after_giving_up_then_ever_more_rarely(m
     assert gaps[:4] == [16, 32, 64, 128] and max(gaps) == 8 * policy.probe_every
 
 
+def test_probe_budget_trial_waits_for_plain_steps_worth_the_last_probes_loss(monkeypatch):
+    """benchmarks/adaptive_split.py's `probe-budget` trial: once speculation is given up, the
+    next probe comes when the plain steps since the last speculative round cost that round's
+    loss (catch-up reading, drafts and pass, less the plain steps its one token saved) over
+    PROBE_SHARE: a probe that read 50 ms of context waits six times as long as one that read
+    none, and each failed probe costs no more than that share of the plain steps after it."""
+    import importlib
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    adaptive_split = importlib.import_module("adaptive_split")
+
+    def probes(reading_s: float) -> tuple[list[int], float, list[float]]:
+        policy = adaptive_split.probe_budget_policy(16)
+        policy.update(0, 0, 0.0, 0.010)  # plain steps of 10 ms
+        policy.update(2, 0, 0.008, 0.012)  # a failed first round: draft steps of 4 ms
+        rounds, plain_s, lost = [], 0.0, []
+        for i in range(400):
+            gamma = policy.choose()
+            if gamma:
+                adaptive_split.TimedReadingProposer.unread_s = reading_s  # what a catch-up would leave
+                rounds.append(i)
+                lost.append(reading_s + 0.004 * gamma + 0.010 + 0.001 * gamma - 0.010)
+            else:
+                plain_s += 0.010
+            policy.update(gamma, 0, 0.004 * gamma, 0.010 + 0.001 * gamma)
+        return rounds, plain_s, lost
+
+    cheap, dear = probes(0.0), probes(0.05)
+    cheap_gaps = {b - a for a, b in zip(cheap[0], cheap[0][1:])}
+    dear_gaps = {b - a for a, b in zip(dear[0], dear[0][1:])}
+    assert cheap_gaps == {11} and dear_gaps == {61}  # 0.1 s and 0.6 s of plain steps, then the probe
+    for _, plain_s, lost in (cheap, dear):  # the last probe's plain steps may run past the end
+        assert sum(lost[:-1]) <= adaptive_split.PROBE_SHARE * plain_s < sum(lost) + 0.01
+
+
+def test_ngram_apart_trial_learns_each_ngram_sizes_acceptance_apart(monkeypatch):
+    """benchmarks/adaptive_split.py's `ngram-apart` trial: its lookup says whether a 3-gram or a
+    2-gram found the continuation, and its policy's acceptance for lookup is that size's own."""
+    import importlib
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    adaptive_split = importlib.import_module("adaptive_split")
+    lookup = adaptive_split.SizedLookup(3, 2)
+    assert lookup.lookup([1, 2, 3, 4, 9, 1, 2, 3], 2) == [4, 9] and lookup.matched == 3
+    assert lookup.lookup([5, 6, 7, 8, 6, 7], 2) == [8, 6] and lookup.matched == 2
+    assert lookup.lookup([5, 6, 7], 2) == [] and lookup.matched == 0
+    policy = adaptive_split.ngram_apart_policy(16)
+    adaptive_split.SizedLookup.matched = 3
+    policy.update(4, 4, 0.0, 0.012, lookup=True)
+    adaptive_split.SizedLookup.matched = 2
+    for _ in range(3):
+        policy.update(4, 0, 0.0, 0.012, lookup=True)
+    trusted = policy.lookup_alpha
+    adaptive_split.SizedLookup.matched = 3
+    assert policy.lookup_alpha > 0.8 > 0.4 > trusted
+
+
 def test_cost_aware_policy_prior_weighs_more_against_a_fall_than_a_rise():
     """After a round whose drafts were all rejected α is the four-round prior's 0.48, not the
     two-round prior's 0.4 (one failed probe does not end speculation where rounds are cheap);
