@@ -6,8 +6,10 @@
 The 0.5B draft's output layer (151,936 rows) is 28% of its weights. Limited to the first K
 ids, which a byte-level BPE gives to its most frequent tokens, it reads fewer bytes per
 draft step; where the target picks a token above K the draft cannot have proposed it, so
-acceptance falls. For each prompt this runs plain decoding, speculative decoding with the
-whole vocabulary and with each limit, and plain decoding again, one after the other, so a
+acceptance falls. Most such tokens are words of the prompt or of the answer so far, which
+`--draft-vocab` lets the draft propose too ("and context"); "first K only" is the limit
+alone. For each prompt this runs plain decoding, speculative decoding with the whole
+vocabulary and each limit both ways, and plain decoding again, one after the other, so a
 change in machine load hits them alike. Speed-up = plain decoding time / speculative
 decoding time; c = draft seconds per drafted token / target seconds per plain step.
 Every speculative run is audited: its tokens must equal the plain runs' (VALID).
@@ -29,15 +31,27 @@ def run(target, prompt: str, tokens: int, **options):
     return generate(target, prompt, chat=True, max_tokens=tokens, **options)
 
 
+def ways_of(limits: list[int]) -> dict[str, tuple[int | None, bool]]:
+    """Each way's name, and its (vocabulary limit, whether the context's ids are proposed too)."""
+    ways = {"whole": (None, False)}
+    for limit in limits:
+        ways[f"{limit} only"] = (limit, False)
+        ways[f"{limit} and context"] = (limit, True)
+    return ways
+
+
 def compare(target, draft, prompts, limits, gamma: int, tokens: int) -> dict:
-    """Per way ("whole" or a limit): plain and speculative seconds, drafts kept, draft seconds, validity."""
-    ways = ["whole", *limits]
+    """Per way (ways_of): plain and speculative seconds, drafts kept, draft seconds, validity."""
+    from verispec.spec.draft_model import DraftModelProposer
+
+    ways = ways_of(limits)
     totals = {way: {"plain_s": 0.0, "spec_s": 0.0, "accepted": 0, "drafted": 0, "draft_s": 0.0,
                     "plain_steps": 0, "valid": True} for way in ways}
     for prompt in prompts:
         before = run(target, prompt.text, tokens)
-        specs = {way: run(target, prompt.text, tokens, draft=draft, gamma=gamma,
-                          draft_vocab=None if way == "whole" else way) for way in ways}
+        specs = {way: run(target, prompt.text, tokens, gamma=gamma,
+                          draft=DraftModelProposer(draft, vocab_limit=limit, context_ids=context))
+                 for way, (limit, context) in ways.items()}
         after = run(target, prompt.text, tokens)
         plain_s = (before.timings.decode_s + after.timings.decode_s) / 2
         for way, spec in specs.items():
@@ -80,8 +94,9 @@ def main() -> int:
         for way, r in results.items():
             all_valid &= r["valid"]
             gain = "" if way == "whole" else f"  ({r['speedup'] / whole['speedup']:.3f}x the whole vocabulary's)"
-            label = "whole vocabulary" if way == "whole" else f"first {way:,} ids"
-            print(f"  {category:>15} {label:>18}: speed-up {r['speedup']:.2f}x, acceptance {r['acceptance']:.1%}, "
+            limit, context = ways_of(args.limits)[way]
+            label = "whole vocabulary" if limit is None else f"first {limit:,} {'and context' if context else 'only'}"
+            print(f"  {category:>15} {label:>24}: speed-up {r['speedup']:.2f}x, acceptance {r['acceptance']:.1%}, "
                   f"c = {r['c']:.3f}, {'VALID' if r['valid'] else 'INVALID'}{gain}")
     save("draft_vocab", record)
     return 0 if all_valid else 1

@@ -9,7 +9,8 @@ import torch
 import tiny
 from verispec import kernels
 from verispec.errors import VerispecError
-from verispec.generate import generate
+from verispec.generate import encode_prompt, generate
+from verispec.spec.draft_model import DraftModelProposer
 from verispec.quant import FORMATS
 
 PROMPT = "def add(a, b):"
@@ -51,26 +52,100 @@ def test_the_first_outputs_are_the_whole_logits_first_columns(folder, fmt, fast,
     assert torch.equal(step, step_whole[..., :outputs])
 
 
+@pytest.fixture(scope="module")
+def tied_folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tied")
+    tiny.save_hf_model(path, "qwen2", seed=5, tie_word_embeddings=True)
+    return path
+
+
+def drafted_tokens(result) -> list[tuple[int, list[int]]]:
+    """Each kept draft with the output before it."""
+    return [(t, result.token_ids[:i]) for i, (t, kind) in enumerate(zip(result.token_ids, result.origins))
+            if kind == "draft"]
+
+
 @pytest.mark.parametrize("fmt", ["int4", "float32"])
 def test_speculation_with_a_limited_draft_is_the_targets_output(folder, fmt):
+    """A draft limited to the first ids proposes only them (`context_ids=False`), or them and
+    the ids of the context, their rows read from the output layer's panels in any format; it
+    keeps more of its drafts for the context's."""
     target = _load(folder, fmt)
     plain = generate(target, PROMPT, max_tokens=32, ignore_eos=True)
     limit = sorted(plain.token_ids)[len(plain.token_ids) // 2] + 1  # some of the target's tokens lie above it
     limited = generate(target, PROMPT, draft=target, gamma=4, max_tokens=32, ignore_eos=True, draft_vocab=limit)
+    first_only = generate(target, PROMPT, draft=DraftModelProposer(target, vocab_limit=limit, context_ids=False),
+                          gamma=4, max_tokens=32, ignore_eos=True)
     whole = generate(target, PROMPT, draft=target, gamma=4, max_tokens=32, ignore_eos=True)
-    assert limited.token_ids == plain.token_ids == whole.token_ids
-    drafted = [t for t, kind in zip(limited.token_ids, limited.origins) if kind == "draft"]
-    assert drafted and max(drafted) < limit
-    assert limited.spec.acceptance_rate < whole.spec.acceptance_rate == 1.0
+    assert limited.token_ids == first_only.token_ids == plain.token_ids == whole.token_ids
+    assert drafted_tokens(first_only) and max(t for t, _ in drafted_tokens(first_only)) < limit
+    above = [(t, before) for t, before in drafted_tokens(limited) if t >= limit]
+    prompt_ids = set(encode_prompt(target.tokenizer, PROMPT, False))
+    assert above and all(t in prompt_ids or t in before for t, before in above)  # ids of the context only
+    assert first_only.spec.acceptance_rate < limited.spec.acceptance_rate < whole.spec.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("panels", [True, False], ids=["panels", "canonical"])
+def test_an_output_layer_gives_the_rows_of_a_few_ids(fmt, panels):
+    """PackedLinear.rows(ids) reads the weight's rows `ids` from whichever layout the layer
+    holds: the rows of its whole dense weight."""
+    from verispec.quant import pack_linear
+
+    linear = torch.nn.Linear(64, 272, bias=False)  # 17 panels of 16 rows
+    head = pack_linear(linear, fmt)
+    if panels:
+        head._use_panels(kernels.cpu_kernels())
+    assert (head.panels is not None) == panels
+    ids = torch.tensor([200, 7, 250, 16, 17])
+    assert torch.equal(head.rows(ids), head.dense_weight().float()[ids])
+
+
+@pytest.mark.parametrize("fmt", ["int4", "float32"])
+def test_a_tied_draft_proposes_the_contexts_ids_above_its_limit(tied_folder, fmt):
+    """Where the output layer is the embedding, the context's rows come from the embedding,
+    in any weight format."""
+    target = _load(tied_folder, fmt)
+    plain = generate(target, PROMPT, max_tokens=32, ignore_eos=True)
+    limit = sorted(plain.token_ids)[len(plain.token_ids) // 2] + 1
+    limited = generate(target, PROMPT, draft=target, gamma=4, max_tokens=32, ignore_eos=True, draft_vocab=limit)
+    assert limited.token_ids == plain.token_ids
+    above = [(t, before) for t, before in drafted_tokens(limited) if t >= limit]
+    prompt_ids = set(encode_prompt(target.tokenizer, PROMPT, False))
+    assert above and all(t in prompt_ids or t in before for t, before in above)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8"])
+@pytest.mark.parametrize("fast", [True, False], ids=["kernels", "pytorch"])
+def test_extra_rows_append_those_ids_logits(tied_folder, fmt, fast):
+    """forward(..., extra_rows=rows) appends the hidden state's products with the rows: for
+    the output layer's own rows, the whole logits' columns of those ids (up to the rounding
+    of another product, and of the layer's own precision)."""
+    kernels.set_enabled(fast)
+    try:
+        model = _load(tied_folder, fmt).model
+        ids, extra = torch.tensor([[5, 77, 100, 3, 9]]), torch.tensor([200, 7, 250])
+        with torch.inference_mode():
+            cache = model.new_cache(16)
+            whole = model(ids, cache)
+            cache.rollback(0)
+            rows = model.model.embed_tokens(extra).float()
+            logits = model(ids, cache, outputs=64, extra_rows=rows)
+    finally:
+        kernels.set_enabled(True)
+    assert logits.shape == (1, 5, 67)
+    assert torch.equal(logits[..., :64], whole[..., :64])
+    tolerance = 1e-4 if fmt == "float32" else 0.05 * float(whole.abs().max())
+    assert torch.allclose(logits[..., 64:], whole[..., extra], atol=tolerance)
 
 
 def test_sampling_with_a_limited_draft_decodes(folder):
-    target = _load(folder, "int8")
+    target = _load(folder, "float32")
     result = generate(target, PROMPT, draft=target, gamma=3, max_tokens=24, ignore_eos=True, temperature=0.8,
                       seed=1, draft_vocab=128)
     assert len(result.token_ids) == 24
-    drafted = [t for t, kind in zip(result.token_ids, result.origins) if kind == "draft"]
-    assert all(t < 128 for t in drafted)
+    prompt_ids = set(encode_prompt(target.tokenizer, PROMPT, False))
+    assert all(t < 128 or t in prompt_ids or t in before for t, before in drafted_tokens(result))
 
 
 @pytest.mark.parametrize("value", [0, -3, 2.5, "many"])

@@ -1223,3 +1223,24 @@ def test_draft_context_measures_agreement_by_window_and_lookup_on_a_model_agains
         found, right = draft_context.lookup_agreement(prompt_ids, answer)
         assert 0.0 < found <= 1.0 and 0.0 <= right <= 1.0  # the repeated text gives lookup something
         assert draft_context.reading_ms(target, prompt_ids) > 0
+
+
+def test_draft_vocab_compares_each_limit_with_and_without_the_contexts_ids(folder, monkeypatch):
+    """benchmarks/draft_vocab.py: the whole vocabulary and each limit both ways, every run
+    the plain output; a draft that is the target keeps all its drafts with the whole
+    vocabulary, fewer with the first ids only, and more again with the context's."""
+    import importlib
+
+    from verispec.lab.prompts import Prompt
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    draft_vocab = importlib.import_module("draft_vocab")
+    assert list(draft_vocab.ways_of([64])) == ["whole", "64 only", "64 and context"]
+    target = load_model(folder)
+    plain = generate(target, "the cat sat on the mat.", max_tokens=24, ignore_eos=True)
+    limit = sorted(plain.token_ids)[len(plain.token_ids) // 2] + 1
+    prompts = [Prompt("cat", "test", "the cat sat on the mat."), Prompt("dog", "test", "a dog ran after the cat")]
+    totals = draft_vocab.compare(target, target, prompts, [limit], gamma=4, tokens=24)
+    assert all(way["valid"] for way in totals.values())
+    whole, only, context = (totals[w]["acceptance"] for w in ("whole", f"{limit} only", f"{limit} and context"))
+    assert only < context <= whole == 1.0

@@ -630,3 +630,18 @@ def test_the_stepwise_delta_rule_covers_every_verification_pass():
     from verispec.models.common import VERIFY_PASS_MAX
 
     assert VERIFY_PASS_MAX == MAX_GAMMA + 1
+
+
+def test_a_hybrid_draft_limited_to_the_first_ids_proposes_the_contexts_too(saved):
+    """A hybrid draft with a draft vocabulary: its pass appends the context's ids' logits
+    (extra_rows) after the first ids', and speculation still gives the target's output."""
+    folder, _, target = saved["qwen3_5"]
+    draft = load_model(folder)
+    baseline = generate(target, PROMPT, max_tokens=MAX_TOKENS, ignore_eos=True)
+    limit = sorted(baseline.token_ids)[len(baseline.token_ids) // 2] + 1
+    result = generate(target, PROMPT, draft=draft, gamma=4, max_tokens=MAX_TOKENS, ignore_eos=True, draft_vocab=limit)
+    assert result.token_ids == baseline.token_ids
+    drafted = [(t, result.token_ids[:i]) for i, (t, kind) in enumerate(zip(result.token_ids, result.origins))
+               if kind == "draft"]
+    above = [(t, before) for t, before in drafted if t >= limit]
+    assert above and all(t in PROMPT or t in before for t, before in above)

@@ -103,3 +103,24 @@ def test_embedding_rows_from_the_files_blocks_are_the_decoded_tables(name):
     ids = torch.randint(0, table.shape[0], (3, 100), generator=torch.Generator().manual_seed(0))
     assert torch.equal(embedding(ids), table[ids])
     assert embedding.blocks.numel() * 5 < table.numel() * 4  # a fifth of the float32 table, or less
+
+
+def test_a_draft_limited_to_the_first_ids_proposes_the_prompts_own_words(real_pair):
+    """The 0.5B limited to the first 32,768 ids: the code fence's language and a word of the
+    function's name lie above the limit. With the context's ids the draft proposes them and
+    keeps more of its drafts; either way the output is the target's."""
+    from verispec.spec.draft_model import DraftModelProposer
+
+    target, draft = real_pair
+    prompt = ("Complete this function:\n```python\ndef fibonacci_memoized(n, memo):\n"
+              "    \"\"\"The n-th Fibonacci number, with memo as cache.\"\"\"\n```")
+    ids = target.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    plain = generate(target, ids, max_tokens=32)
+    runs = {context: generate(target, ids, max_tokens=32, gamma=4,
+                              draft=DraftModelProposer(draft, vocab_limit=32768, context_ids=context))
+            for context in (False, True)}
+    above = {context: [t for t, kind in zip(r.token_ids, r.origins) if kind == "draft" and t >= 32768]
+             for context, r in runs.items()}
+    assert runs[False].token_ids == runs[True].token_ids == plain.token_ids
+    assert above[False] == [] and above[True] and set(above[True]) <= set(ids)
+    assert runs[True].spec.acceptance_rate > runs[False].spec.acceptance_rate

@@ -20,6 +20,7 @@ from torch import nn
 from verispec.cache import CACHE_DTYPES, KVCache
 from verispec.errors import ContextOverflowError
 from verispec.kernels import cpu_kernels
+from verispec.models.common import with_extra_rows
 from verispec.quant import KERNEL_MAX_ROWS, PANEL, PackedLinear
 
 
@@ -77,9 +78,10 @@ class FastPath:
         return self.kernels or cpu_kernels()
 
     def __call__(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False,
-                 outputs: int | None = None) -> torch.Tensor | None:
+                 outputs: int | None = None, extra_rows: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [1, T, vocab] (or [1, 1, vocab] with last_only; the first `outputs` ids only
-        with `outputs`); None when this path does not apply.
+        with `outputs`, then the products with `extra_rows`, as CausalLM.forward); None when
+        this path does not apply.
 
         A long prompt goes through in slices of KERNEL_MAX_ROWS positions, so every position
         is computed by the same kernels as a decoding step."""
@@ -89,13 +91,14 @@ class FastPath:
         pieces = []
         for index, piece in enumerate(slices):
             final = index == len(slices) - 1
-            logits = self._forward(piece, cache, last_only, head=final or not last_only, outputs=outputs)
+            logits = self._forward(piece, cache, last_only, head=final or not last_only, outputs=outputs,
+                                   extra_rows=extra_rows)
             if logits is not None:
                 pieces.append(logits)
         return torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
 
     def _forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool, head: bool = True,
-                 outputs: int | None = None) -> torch.Tensor | None:
+                 outputs: int | None = None, extra_rows: torch.Tensor | None = None) -> torch.Tensor | None:
         kernels = self._kernels()
         if self.stack is None:
             self.stack = kernels.DecoderStack([_decoder_layer(layer, kernels) for layer in self.model.model.layers])
@@ -114,7 +117,7 @@ class FastPath:
         if last_only:
             x = x[-1:]
         x = kernels.rms_norm(x.contiguous(), self.final_norm, self.final_eps)
-        return self._head(kernels, outputs)(x).unsqueeze(0)
+        return with_extra_rows(self._head(kernels, outputs)(x)[..., :outputs], x, extra_rows).unsqueeze(0)
 
     def _head(self, kernels, outputs: int | None):
         """The output layer's product, for all its rows or the first `outputs` (rounded up to

@@ -159,7 +159,7 @@ def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
 def make_proposer(draft, target, ngram: tuple[int, int] = (3, 1), draft_vocab: int | None = None
                   ) -> Proposer | None:
     """None (baseline), "ngram", a loaded draft model (proposing only ids below
-    `draft_vocab`, if given), or any Proposer."""
+    `draft_vocab` and the context's, if given), or any Proposer."""
     is_model = hasattr(draft, "model") and hasattr(draft, "tokenizer")
     if draft_vocab is not None and not is_model:
         raise VerispecError("a draft vocabulary applies to a draft model only, not to "
@@ -187,7 +187,8 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
            chat: bool = False, ignore_eos: bool = False, ngram: tuple[int, int] = (3, 1),
            draft_vocab: int | None = None, lookup: bool = True) -> Iterator[Event]:
     """Decode from `target` (a LoadedModel); with `draft`, speculatively. Yields Token events, then Finished.
-    With `draft_vocab`, a draft model proposes only the first `draft_vocab` token ids. With
+    With `draft_vocab`, a draft model proposes only the first `draft_vocab` token ids and the
+    context's (where it can read their output rows: a tied or float output layer). With
     `adaptive` (cost-aware) and a draft model, rounds may send prompt lookup's drafts in the
     draft model's place where that promises more; `lookup=False` keeps to the draft model."""
     if not is_whole(max_tokens, 1):

@@ -355,6 +355,14 @@ class Int8Linear(PackedLinear):
     def dense_weight(self):
         return self.canonical()[0].float() * self.scale[:, None]
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Float32 rows `ids` of the weight, read from only the panels they lie in."""
+        if self.panels is None:
+            weight = self.weight[ids]
+        else:
+            weight = from_panels(self.panels[ids // PANEL])[_within_panels(ids)]
+        return weight.float() * self.scale[ids, None]
+
     def packed(self):
         return [self.canonical()[0], self.scale]
 
@@ -405,6 +413,14 @@ class Int4Linear(PackedLinear):
             return kernels.dequantize_int4_panels(self.panels)
         return int4_to_float(*int4_from_panels(self.panels))
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Float32 rows `ids` of the weight, read from only the panels they lie in."""
+        if self.panels is None:
+            return int4_to_float(self.nibbles[ids], self.scales[ids])
+        nibbles, scales = int4_from_panels(self.panels[ids // PANEL])
+        pick = _within_panels(ids)
+        return int4_to_float(nibbles[pick], scales[pick])
+
     def packed(self):
         return list(self.canonical())
 
@@ -430,6 +446,11 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
     per_dword = 4 // weight.element_size()
     return (weight.reshape(out_features // PANEL, PANEL, in_features // per_dword, per_dword)
             .permute(0, 2, 1, 3).contiguous())
+
+
+def _within_panels(ids: torch.Tensor) -> torch.Tensor:
+    """Where each of `ids` lies among the rows of the panels `ids // PANEL`, unpacked in turn."""
+    return torch.arange(len(ids), device=ids.device) * PANEL + ids % PANEL
 
 
 def from_panels(panels: torch.Tensor) -> torch.Tensor:

@@ -124,8 +124,9 @@ def add_kv_cache_option(parser: argparse.ArgumentParser) -> None:
 
 def add_draft_vocab_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-vocab", type=positive_int, default=None, metavar="N",
-                        help="the draft model proposes only the first N token ids, and its output layer "
-                             "computes only theirs (cheaper drafts, fewer accepted; the output is unchanged)")
+                        help="the draft model proposes only the first N token ids and those of the context "
+                             "(prompt and answer so far), and its output layer computes only theirs (cheaper "
+                             "drafts, fewer accepted; the output is unchanged)")
 
 
 def default_dtype(device: str, weights: str | None) -> str:

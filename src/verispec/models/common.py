@@ -264,3 +264,10 @@ class SwiGLU(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def with_extra_rows(logits: torch.Tensor, hidden: torch.Tensor, extra_rows: torch.Tensor | None) -> torch.Tensor:
+    """Float32 logits with the final hidden state's products with `extra_rows` appended."""
+    if extra_rows is None:
+        return logits
+    return torch.cat([logits, hidden.float() @ extra_rows.float().T], dim=-1)

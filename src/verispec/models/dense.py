@@ -13,7 +13,7 @@ from torch import nn
 from verispec.cache import KVCache
 from verispec.config import ModelConfig
 from verispec.errors import ContextOverflowError
-from verispec.models.common import Attention, RMSNorm, SwiGLU, rope_tables
+from verispec.models.common import Attention, RMSNorm, SwiGLU, rope_tables, with_extra_rows
 
 
 class DecoderLayer(nn.Module):
@@ -43,7 +43,10 @@ class CausalLM(nn.Module):
     `forward(tokens, cache)` runs the tokens at positions cache.length.. and
     returns float32 logits; with `last_only` only the final position's row, with
     `outputs` only the first `outputs` token ids' (a draft that proposes no others
-    skips the rest of the output layer).
+    skips the rest of the output layer), and with `extra_rows` [E, hidden] E more
+    columns after them, the final hidden state's products with those rows (the
+    output layer's rows of a few more ids, which a draft limited to the first ids
+    may propose too).
     """
 
     def __init__(self, config: ModelConfig, layers: list[nn.Module] | None = None):
@@ -97,11 +100,11 @@ class CausalLM(nn.Module):
 
     # -- forward
     def forward(self, tokens: torch.Tensor, cache, last_only: bool = False,
-                outputs: int | None = None) -> torch.Tensor:
+                outputs: int | None = None, extra_rows: torch.Tensor | None = None) -> torch.Tensor:
         if self.fast_path is not None:
-            logits = self.fast_path(tokens, cache, last_only, outputs)
+            logits = self.fast_path(tokens, cache, last_only, outputs, extra_rows)
             if logits is not None:
-                return logits[..., :outputs]
+                return logits
         start = cache.length
         length = tokens.shape[1]
         if start + length > cache.max_len:
@@ -120,4 +123,4 @@ class CausalLM(nn.Module):
             logits = self.lm_head(x)
         else:
             logits = torch.nn.functional.linear(x, self.model.embed_tokens.weight)
-        return logits[..., :outputs].float()
+        return with_extra_rows(logits[..., :outputs].float(), x, extra_rows)

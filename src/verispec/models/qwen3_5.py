@@ -259,9 +259,9 @@ class HybridCausalLM(ExpertAccounting, CausalLM):
         return self.cache_dtype or self._state_dtype()
 
     def forward(self, tokens: torch.Tensor, cache: HybridCache, last_only: bool = False,
-                outputs: int | None = None) -> torch.Tensor:
+                outputs: int | None = None, extra_rows: torch.Tensor | None = None) -> torch.Tensor:
         cache.begin_pass(tokens.shape[1])
-        return super().forward(tokens, cache, last_only, outputs)
+        return super().forward(tokens, cache, last_only, outputs, extra_rows)
 
     # -- what the lab reads
     def state_bytes(self, batch: int = 1) -> int:

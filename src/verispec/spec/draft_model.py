@@ -7,6 +7,8 @@ import torch
 from verispec.sampling import SamplingParams, greedy_token, probabilities, sample
 from verispec.spec.proposer import Proposal
 
+MAX_CONTEXT_IDS = 4096  # context ids a draft limited to the first ids may propose too, at most
+
 
 class DraftModelProposer:
     """Drafts γ tokens one step at a time.
@@ -24,12 +26,16 @@ class DraftModelProposer:
     computes only their logits. A byte-level BPE numbers its tokens in the order of its
     merges, so the first ids are the most frequent ones: the output layer of a small
     draft is a large part of its weights (28% of the 0.5B's), and tokens it cannot
-    propose only cost acceptance where the target would have chosen one. Verification
-    stays exact whatever the draft proposes (under sampling, the draft's distribution
-    is zero above the limit).
+    propose only cost acceptance where the target would have chosen one. Most of the
+    target's tokens above the limit are words of the prompt or of the answer so far, so
+    with `context_ids` the draft may propose every id of the context too: the output
+    layer's rows of those ids (at most MAX_CONTEXT_IDS of them) are gathered once and
+    multiplied apart, a few hundred rows where the limit saves a hundred thousand.
+    Verification stays exact whatever the draft proposes (under sampling, the draft's
+    distribution is zero on the ids it cannot propose).
     """
 
-    def __init__(self, loaded, name: str | None = None, vocab_limit: int | None = None):
+    def __init__(self, loaded, name: str | None = None, vocab_limit: int | None = None, context_ids: bool = True):
         self.loaded = loaded
         # never draft a padding row the target has no embedding for
         self.vocab_limit = min(vocab_limit or loaded.config.vocab_size, loaded.config.vocab_size)
@@ -39,6 +45,14 @@ class DraftModelProposer:
         # the output layer's rows to compute, asked for only where they are fewer than all
         self.outputs = {"outputs": self.vocab_limit} if self.vocab_limit < self.rows else {}
         self.model = loaded.model
+        # the context's ids at or above the limit that the draft may propose too, and their
+        # output rows [len, hidden]; `scanned`: the context tokens looked at for them so far
+        head = self.model.lm_head
+        self.context_ids = context_ids and bool(self.outputs) and (head is None or hasattr(head, "rows")
+                                                                    or hasattr(head, "weight"))
+        self.extra_ids: list[int] = []
+        self.extra_rows: torch.Tensor | None = None
+        self.scanned = 0
         self.name = name or loaded.name
         self.cache = None
         self.offset = 0  # context tokens before the draft's cache starts, never read
@@ -52,6 +66,7 @@ class DraftModelProposer:
         `prefill` the draft reads the prompt later, in its first round or through `catch_up`."""
         self.cache = self.model.new_cache(max_len)
         self.offset, self.ready = 0, None
+        self.extra_ids, self.extra_rows, self.scanned = [], None, 0
         if prefill and self._readable(prompt_ids):
             self.model(torch.tensor([prompt_ids], device=self.device), self.cache, last_only=True, **self.outputs)
 
@@ -73,9 +88,9 @@ class DraftModelProposer:
             self.cache.rollback(0)
         start, end = self.offset + self.cache.length, len(context)
         self.ready = None
+        self._take_context_ids(context)
         if end > start and self._readable(context[start:end]):
-            feed = torch.tensor([context[start:end]], device=self.device)
-            self.ready = (end, self.model(feed, self.cache, last_only=True, **self.outputs)[0, -1])
+            self.ready = (end, self._logits(torch.tensor([context[start:end]], device=self.device)))
 
     @torch.inference_mode()
     def propose(self, context: list[int], gamma: int, params: SamplingParams,
@@ -87,6 +102,7 @@ class DraftModelProposer:
             pending = context[-1:]
         if not self._readable(pending):
             return Proposal([], None)  # a plain round: the target decodes on its own
+        self._take_context_ids(context)
         feed = torch.tensor([pending], device=self.device) if pending else None
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
@@ -94,17 +110,59 @@ class DraftModelProposer:
             if feed is None:  # the first draft, from the logits catch_up left
                 logits = ready[1]
             else:
-                logits = self.model(feed, self.cache, last_only=True, **self.outputs)[0, -1]
+                logits = self._logits(feed)
             if params.greedy:
-                token = greedy_token(logits)
+                token = self._token(greedy_token(logits))
             else:
-                probs = probabilities(logits, params)
+                probs = self._on_vocabulary(probabilities(logits, params))
                 token = sample(probs, generator)
                 rows.append(probs)
             tokens.append(token)
             if i + 1 < gamma:
                 feed = torch.tensor([[token]], device=self.device)
         return Proposal(tokens, torch.stack(rows) if rows else None, steps=gamma - 1 if pending == [] else None)
+
+    def _logits(self, feed: torch.Tensor) -> torch.Tensor:
+        """The last position's logits: the first vocab_limit ids', then extra_ids' if any."""
+        extra = {} if self.extra_rows is None else {"extra_rows": self.extra_rows}
+        return self.model(feed, self.cache, last_only=True, **self.outputs, **extra)[0, -1]
+
+    def _token(self, index: int) -> int:
+        """The token id of a column of the logits."""
+        return index if index < self.vocab_limit else self.extra_ids[index - self.vocab_limit]
+
+    def _on_vocabulary(self, probs: torch.Tensor) -> torch.Tensor:
+        """Probabilities over the logits' columns as a distribution over token ids (where
+        there are context ids; the verifier pads a distribution over the first ids)."""
+        if not self.context_ids:
+            return probs
+        full = torch.zeros(self.rows, device=probs.device)
+        full[:self.vocab_limit] = probs[:self.vocab_limit]
+        extra = probs[self.vocab_limit:]
+        full[torch.tensor(self.extra_ids[:extra.shape[0]], device=probs.device)] = extra
+        return full
+
+    def _take_context_ids(self, context: list[int]) -> None:
+        """Add the ids of the context not scanned yet that lie at or above the limit."""
+        if not self.context_ids or self.scanned >= len(context):
+            return
+        known = set(self.extra_ids)
+        new = [t for t in dict.fromkeys(context[self.scanned:]) if self.vocab_limit <= t < self.rows and t not in known]
+        self.scanned = len(context)
+        new = new[:MAX_CONTEXT_IDS - len(self.extra_ids)]
+        if new:
+            rows = self._output_rows(new)
+            self.extra_rows = rows if self.extra_rows is None else torch.cat([self.extra_rows, rows])
+            self.extra_ids.extend(new)
+
+    def _output_rows(self, ids: list[int]) -> torch.Tensor:
+        """The output layer's rows of `ids`, float32 [len, hidden]: the embedding's where the
+        two are one table, else the layer's own (a packed layer reads them from its panels)."""
+        picked = torch.tensor(ids, device=self.device)
+        head = self.model.lm_head
+        if head is None:
+            return self.model.model.embed_tokens(picked).float()
+        return head.rows(picked).float() if hasattr(head, "rows") else head.weight[picked].float()
 
     def _readable(self, ids: list[int]) -> bool:
         return all(i < self.rows for i in ids)
