@@ -2,6 +2,7 @@
 
     python benchmarks/draft_vocab.py                          # coding, math_reasoning, translation
     python benchmarks/draft_vocab.py --limits 32768 --gamma 4 --prompts 2
+    python benchmarks/draft_vocab.py --limits 32768 --adaptive --categories qa translation coding
 
 The 0.5B draft's output layer (151,936 rows) is 28% of its weights. Limited to the first K
 ids, which a byte-level BPE gives to its most frequent tokens, it reads fewer bytes per
@@ -12,7 +13,9 @@ alone. For each prompt this runs plain decoding, speculative decoding with the w
 vocabulary and each limit both ways, and plain decoding again, one after the other, so a
 change in machine load hits them alike. Speed-up = plain decoding time / speculative
 decoding time; c = draft seconds per drafted token / target seconds per plain step.
-Every speculative run is audited: its tokens must equal the plain runs' (VALID).
+With --adaptive the speculative runs choose γ as `--adaptive` does (up to --gamma or 16),
+seeing the cheaper draft steps. Every speculative run is audited: its tokens must equal the
+plain runs' (VALID).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def ways_of(limits: list[int]) -> dict[str, tuple[int | None, bool]]:
     return ways
 
 
-def compare(target, draft, prompts, limits, gamma: int, tokens: int) -> dict:
+def compare(target, draft, prompts, limits, gamma: int, tokens: int, adaptive: bool = False) -> dict:
     """Per way (ways_of): plain and speculative seconds, drafts kept, draft seconds, validity."""
     from verispec.spec.draft_model import DraftModelProposer
 
@@ -49,7 +52,7 @@ def compare(target, draft, prompts, limits, gamma: int, tokens: int) -> dict:
                     "plain_steps": 0, "valid": True} for way in ways}
     for prompt in prompts:
         before = run(target, prompt.text, tokens)
-        specs = {way: run(target, prompt.text, tokens, gamma=gamma,
+        specs = {way: run(target, prompt.text, tokens, gamma=gamma, adaptive="cost" if adaptive else False,
                           draft=DraftModelProposer(draft, vocab_limit=limit, context_ids=context))
                  for way, (limit, context) in ways.items()}
         after = run(target, prompt.text, tokens)
@@ -79,16 +82,18 @@ def main() -> int:
     parser.add_argument("--gamma", type=int, default=5)
     parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--adaptive", action="store_true", help="speculative runs with --adaptive (cost-aware γ)")
     args = parser.parse_args()
 
     from verispec.lab.prompts import load_prompts
 
-    target, draft, record = load_pair(args, "draft vocabulary", f"γ = {args.gamma}, {args.tokens} tokens")
-    record.update(gamma=args.gamma, tokens=args.tokens, categories={})
+    details = f"{'--adaptive, ' if args.adaptive else ''}γ = {args.gamma}, {args.tokens} tokens"
+    target, draft, record = load_pair(args, "draft vocabulary", details)
+    record.update(gamma=args.gamma, tokens=args.tokens, adaptive=args.adaptive, categories={})
     all_valid = True
     for category in args.categories:
         prompts = load_prompts(f"spec-bench:{category}", limit=args.prompts)
-        results = compare(target, draft, prompts, args.limits, args.gamma, args.tokens)
+        results = compare(target, draft, prompts, args.limits, args.gamma, args.tokens, args.adaptive)
         record["categories"][category] = results
         whole = results["whole"]
         for way, r in results.items():
@@ -98,7 +103,7 @@ def main() -> int:
             label = "whole vocabulary" if limit is None else f"first {limit:,} {'and context' if context else 'only'}"
             print(f"  {category:>15} {label:>24}: speed-up {r['speedup']:.2f}x, acceptance {r['acceptance']:.1%}, "
                   f"c = {r['c']:.3f}, {'VALID' if r['valid'] else 'INVALID'}{gain}")
-    save("draft_vocab", record)
+    save("draft_vocab_adaptive" if args.adaptive else "draft_vocab", record)
     return 0 if all_valid else 1
 
 
