@@ -483,6 +483,28 @@ def test_sweep_lookup_both_ways_runs_each_adaptive_draft_model_configuration_twi
     assert len(runs) == 6 and all(r["audit"]["output"]["status"] == audit.VALID for r in runs.values())
 
 
+def test_sweep_draft_vocab_runs_each_draft_model_configuration_with_each_vocabulary(models, tmp_path):
+    """`draft_vocab: [null, 64]` doubles the draft model's configurations only; the limited
+    runs say so in their records and rows, keep fewer drafts, and give the same output."""
+    prompts = tmp_path / "cat.txt"
+    prompts.write_text("the cat sat on the mat.\n")
+    config = sweep.sweep_config_from_dict({
+        "targets": [str(models / "target")], "proposers": [str(models / "same"), "ngram"], "gammas": [4],
+        "draft_vocab": [None, 64], "prompts": [str(prompts)], "limit": 1, "max_tokens": 24,
+        "ignore_eos": True, "chat": False, "repeats": 1, "warmup": False, "out": str(tmp_path / "vocab.jsonl")})
+    assert [c.label.split(" ", 1)[1] for c in config.configs()] == ["γ=4", "γ=4 vocab=64", "γ=4"]
+    sweep.run_sweep(config)
+    records = read_records(config.out)
+    runs = {(r["proposer_kind"], r["draft_vocab"]): r for r in records}
+    assert set(runs) == {("baseline", None), ("draft", None), ("draft", 64), ("ngram", None)}
+    whole, limited = runs[("draft", None)], runs[("draft", 64)]
+    assert whole["token_ids"] == limited["token_ids"] and whole["key"] != limited["key"]
+    assert limited["spec"]["accepted"] < whole["spec"]["accepted"]
+    assert all(r["audit"]["output"]["status"] == audit.VALID for r in records)
+    rows = report.summarize(records)
+    assert sorted(r.schedule for r in rows if r.proposer_kind == "draft") == ["", " (vocab: 64)"]
+
+
 def test_sweep_config_errors(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("targets: [x]\nproposers: [ngram]\ngamas: [4]\n")
@@ -637,11 +659,25 @@ def test_bench_no_lookup_keeps_adaptive_rounds_to_the_draft_model_and_its_runs_a
     assert without["audit"]["output"]["status"] == audit.VALID
 
 
+def test_bench_draft_vocab_benches_each_vocabulary_named(models, prompt_file, tmp_path, capsys, clock):
+    """`verispec bench --draft-vocab all 64`: the draft model's runs with the whole vocabulary
+    and with the first 64 ids (and the context's), apart in the records and the table."""
+    out = tmp_path / "bench.jsonl"
+    code, printed = run_cli(capsys, "bench", "--model", models / "target", "--draft", models / "same", "--gamma", "3",
+                            "--draft-vocab", "all", "64", "--prompts", prompt_file, "--limit", "1",
+                            "--max-tokens", "12", "--repeats", "1", "--no-warmup", "--out", out)
+    assert code == 0 and "(vocab: 64)" in " ".join(printed.split())
+    vocabularies = [r["draft_vocab"] for r in read_records(out) if r["proposer_kind"] == "draft"]
+    assert vocabularies == [None, 64]
+
+
 @pytest.mark.parametrize("bad_option, message", [
     (["--gamma", "33"], "expected a number from 1 to 32, got 33"),
     (["--ngram", "1", "3"], "MIN <= MAX"),
     (["--no-lookup", "--adaptive"], "no --draft here is a model"),
     (["-d", "some-draft", "--no-lookup"], "--adaptive cost is not on"),
+    (["--draft-vocab", "1000"], "no --draft here is a model"),
+    (["-d", "some-draft", "--draft-vocab", "0"], "expected a number >= 1, got 0"),
 ])
 def test_bench_refuses_a_bad_option_before_touching_the_results_file(models, prompt_file, tmp_path, capsys,
                                                                     monkeypatch, bad_option, message):
@@ -790,7 +826,7 @@ def test_demo_keeps_the_results_file_when_its_input_is_bad(models, prompt_file, 
     ("temperature", ".nan"), ("seed", "x"), ("ngram", "3"), ("ngram", "[1, 3]"), ("slack", "x"), ("slack", "2"),
     ("bandwidth_gb_s", "fast"), ("gammas", "[1000]"), ("gammas", "[0]"), ("gammas", "[]"), ("gammas", "[true]"),
     ("weights", "[]"), ("weights", "[int3]"), ("adaptive", "[0]"), ("max_tokens", "1"), ("warmup", "maybe"),
-    ("lookup", "[]"), ("lookup", "[1]"),
+    ("lookup", "[]"), ("lookup", "[1]"), ("draft_vocab", "[0]"), ("draft_vocab", "[many]"), ("draft_vocab", "[]"),
 ])
 def test_sweep_config_value_of_the_wrong_type_is_one_line_before_any_model_loads(models, prompt_file, tmp_path,
                                                                                  capsys, monkeypatch, key, value):

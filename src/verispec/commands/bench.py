@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 
 from verispec.commands.options import (WEIGHT_FORMATS, add_kv_cache_option, add_ngram_option, add_slack_option,
-                                       draft_length, non_negative_float, non_negative_int, positive_int)
+                                       draft_length, draft_vocab_choice, non_negative_float, non_negative_int,
+                                       positive_int)
 
 
 def register(sub) -> None:
@@ -23,6 +24,9 @@ def register(sub) -> None:
     parser.add_argument("--no-lookup", action="store_true",
                         help="with --adaptive and a draft model, never send prompt lookup's drafts in the "
                              "draft model's place")
+    parser.add_argument("--draft-vocab", type=draft_vocab_choice, nargs="+", default=[None], metavar="N",
+                        help="a draft model proposes only the first N token ids and the context's; several "
+                             "values ('all': the whole vocabulary) bench each")
     parser.add_argument("--prompts", "-p", default="spec-bench",
                         help="spec-bench, spec-bench:CATEGORY[,CATEGORY], a Spec-Bench-style JSONL file, "
                              "or a text file with one prompt per line")
@@ -69,6 +73,8 @@ def run(args) -> int:
     has_model = any(p.kind == "draft" for p in map(parse_proposer, args.draft))
     if args.draft_weights and not has_model:
         raise VerispecError("--draft-weights sets a draft model's weight format, but no --draft here is a model")
+    if args.draft_vocab != [None] and not has_model:
+        raise VerispecError("--draft-vocab limits a draft model's vocabulary, but no --draft here is a model")
     if args.no_lookup and (not has_model or args.adaptive != "cost"):
         raise VerispecError("--no-lookup keeps --adaptive's rounds to the draft model, but "
                             + ("no --draft here is a model" if not has_model else "--adaptive cost is not on"))
@@ -76,7 +82,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     adaptive = [args.adaptive] if args.adaptive else [False]
     gammas = [max(args.gamma)] if args.adaptive else args.gamma
-    configs = spec_configs(args.draft, gammas, adaptive, lookup=[not args.no_lookup])
+    configs = spec_configs(args.draft, gammas, adaptive, lookup=[not args.no_lookup], draft_vocab=args.draft_vocab)
     prompts = load_prompts(args.prompts, args.limit or None)
     settings = BenchSettings(max_tokens=args.max_tokens, repeats=args.repeats, temperature=args.temperature,
                              seed=args.seed, chat=False if args.no_chat else None, ignore_eos=args.ignore_eos,
@@ -120,6 +126,8 @@ def print_per_prompt(console, records: list[dict]) -> None:
         spec = r.get("spec")
         split = r["time_split"]
         config = "baseline" if r["proposer_kind"] == "baseline" else f"{r['proposer']} γ={r['gamma']}"
+        if r.get("draft_vocab") is not None:
+            config += f" vocab={r['draft_vocab']}"
         table.add_row(f"#{r['prompt_id']} {r['category']}", config, str(r["repeat"] + 1),
                       str(r["completion_tokens"]), f"{r['tok_s']:.2f}",
                       f"{r['speedup']:.2f}x" if r.get("speedup") else "",

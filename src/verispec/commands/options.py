@@ -129,6 +129,11 @@ def add_draft_vocab_option(parser: argparse.ArgumentParser) -> None:
                              "drafts, fewer accepted; the output is unchanged)")
 
 
+def draft_vocab_choice(text: str) -> int | None:
+    """A draft vocabulary to bench: 'all' (None) or a number of first token ids."""
+    return None if text == "all" else positive_int(text)
+
+
 def default_dtype(device: str, weights: str | None) -> str:
     """Activation dtype: the weight format's own float type, else float32 on CPU, bfloat16 on GPU."""
     if weights in ("bfloat16", "float16", "float32"):

@@ -64,6 +64,7 @@ class RunConfig:
     gamma: int = 0
     adaptive: bool | str = False
     lookup: bool = True  # with the cost-aware schedule, a draft model's rounds may send prompt lookup's drafts
+    draft_vocab: int | None = None  # a draft model proposes only the first ids and the context's (None: all)
 
     @property
     def lookup_applies(self) -> bool:
@@ -77,6 +78,8 @@ class RunConfig:
         schedule = f" adaptive={self.adaptive}" if self.adaptive else ""
         if self.lookup_applies and not self.lookup:
             schedule += " no-lookup"
+        if self.draft_vocab is not None:
+            schedule += f" vocab={self.draft_vocab}"
         return f"{self.proposer.label} γ={self.gamma}{schedule}"
 
 
@@ -198,7 +201,7 @@ class Bench:
         self.records = dict(done or {})
         self.machine = machine_facts(str(target.device))
         self.model_bytes = bytes_read_per_pass(target)
-        self._draft_proposers: dict[str, object] = {}
+        self._draft_proposers: dict[tuple[str, int | None], object] = {}
         self._warm = not settings.warmup
 
     def key(self, prompt_set: str, prompt: Prompt, config: RunConfig, repeat: int) -> str:
@@ -240,13 +243,14 @@ class Bench:
         return encode_prompt(tokenizer, prompt.text, chat)
 
     def warm_up(self, prompt_ids: list[int], configs: list[RunConfig]) -> None:
-        """One short unrecorded run per proposer: first calls allocate and pick kernels."""
+        """One short unrecorded run per proposer (and draft vocabulary): first calls allocate and
+        pick kernels."""
         tokens = min(WARMUP_TOKENS, self.settings.max_tokens)
         reference = self.generate(prompt_ids, BASELINE_RUN, None, tokens)[0].token_ids
         seen = set()
         for config in configs:
-            if config.proposer.label not in seen:
-                seen.add(config.proposer.label)
+            if (config.proposer.label, config.draft_vocab) not in seen:
+                seen.add((config.proposer.label, config.draft_vocab))
                 self.generate(prompt_ids, config, reference, tokens)
         self._warm = True
 
@@ -261,11 +265,13 @@ class Bench:
             from verispec.spec.synthetic import SyntheticProposer
             return SyntheticProposer(list(reference or []), spec.alpha, self.target.config.vocab_size,
                                      seed=self.settings.seed + repeat)
-        if spec.label not in self._draft_proposers:  # tokenizers are compared once, not per run
+        key = (spec.label, config.draft_vocab)
+        if key not in self._draft_proposers:  # tokenizers are compared once, not per run
             if spec.label not in self.drafts:
                 raise VerispecError(f"draft model {spec.label!r} was not loaded")
-            self._draft_proposers[spec.label] = make_proposer(self.drafts[spec.label], self.target)
-        return self._draft_proposers[spec.label]
+            self._draft_proposers[key] = make_proposer(self.drafts[spec.label], self.target,
+                                                       draft_vocab=config.draft_vocab)
+        return self._draft_proposers[key]
 
     def generate(self, prompt_ids: list[int], config: RunConfig, reference: list[int] | None,
                  max_tokens: int, repeat: int = 0):
@@ -342,6 +348,7 @@ class Bench:
             "gamma": config.gamma,
             "adaptive": config.adaptive,
             "lookup": config.lookup if config.lookup_applies else None,
+            "draft_vocab": config.draft_vocab,
             "repeat": repeat,
             "max_tokens": self.settings.max_tokens,
             "temperature": self.settings.temperature,
@@ -368,10 +375,11 @@ class Bench:
 
 
 def spec_configs(proposers: list[str], gammas: list[int], adaptive: list[bool | str] | None = None,
-                 lookup: list[bool] | None = None) -> list[RunConfig]:
+                 lookup: list[bool] | None = None, draft_vocab: list[int | None] | None = None) -> list[RunConfig]:
     """The grid of speculative configurations: proposers × γ × schedules × `lookup` (whether the
-    cost-aware schedule may send prompt lookup's drafts in a draft model's place; a configuration
-    it means nothing to is made once)."""
+    cost-aware schedule may send prompt lookup's drafts in a draft model's place) × `draft_vocab`
+    (a draft model's vocabulary: None for all of it); a configuration a choice means nothing to
+    is made once."""
     configs = []
     for text in proposers:
         spec = parse_proposer(text)
@@ -381,5 +389,7 @@ def spec_configs(proposers: list[str], gammas: list[int], adaptive: list[bool | 
             for schedule in adaptive or [False]:
                 weighs = RunConfig(spec, gamma, schedule).lookup_applies
                 choices = dict.fromkeys(lookup or [True]) if weighs else [True]
-                configs.extend(RunConfig(spec, gamma, schedule, choice) for choice in choices)
+                vocabularies = dict.fromkeys(draft_vocab or [None]) if spec.kind == "draft" else [None]
+                configs.extend(RunConfig(spec, gamma, schedule, choice, vocabulary)
+                               for choice in choices for vocabulary in vocabularies)
     return configs

@@ -37,6 +37,7 @@ class Row:
     gamma: int
     adaptive: bool | str
     lookup: bool | None = None  # whether prompt lookup's drafts could take a draft model's rounds (None: not weighed)
+    draft_vocab: int | None = None  # a draft model's first ids (and the context's) it proposes; None: all
     runs: int = 0
     excluded: int = 0  # runs left out of the speed-up after failing an audit
     baseline_tok_s: float | None = None
@@ -57,13 +58,16 @@ class Row:
 
     @property
     def group(self) -> tuple:
-        return (self.target, self.weights, self.prompt_set, self.proposer, self.adaptive, self.lookup)
+        return (self.target, self.weights, self.prompt_set, self.proposer, self.adaptive, self.lookup,
+                self.draft_vocab)
 
     @property
     def schedule(self) -> str:
-        if not self.adaptive:
-            return ""
-        return f" (adaptive: {self.adaptive}{', no lookup' if self.lookup is False else ''})"
+        """How the row drafts beyond its proposer and γ: its schedule and a draft vocabulary."""
+        parts = [f"adaptive: {self.adaptive}{', no lookup' if self.lookup is False else ''}"] if self.adaptive else []
+        if self.draft_vocab is not None:
+            parts.append(f"vocab: {self.draft_vocab:,}")
+        return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _prompt_key(record: dict) -> tuple:
@@ -99,7 +103,7 @@ def summarize(records: list[dict], slack: float = DEFAULT_SLACK) -> list[Row]:
     for record in records:
         if record.get("proposer_kind") != "baseline":
             key = (record["target"], record["weights"], record["prompt_set"], record["proposer"],
-                   record["gamma"], record.get("adaptive") or False, _weighs_lookup(record))
+                   record["gamma"], record.get("adaptive") or False, _weighs_lookup(record), record.get("draft_vocab"))
             groups.setdefault(key, []).append(record)
     rows = [_row(key, runs, baselines, slack) for key, runs in groups.items()]
     order = {group: i for i, group in enumerate(dict.fromkeys(r.group for r in rows))}
@@ -107,9 +111,9 @@ def summarize(records: list[dict], slack: float = DEFAULT_SLACK) -> list[Row]:
 
 
 def _row(key: tuple, runs: list[dict], baselines: dict[tuple, float], slack: float) -> Row:
-    target, weights, prompt_set, proposer, gamma, adaptive, lookup = key
+    target, weights, prompt_set, proposer, gamma, adaptive, lookup, draft_vocab = key
     row = Row(target, weights, prompt_set, proposer, runs[0].get("proposer_kind", "draft"), gamma, adaptive,
-              lookup, runs=len(runs))
+              lookup, draft_vocab, runs=len(runs))
     checks = [run_checks(run, baselines.get(_prompt_key(run)), slack=slack) for run in runs]
     kept = [run for run, c in zip(runs, checks)
             if all(v.valid for v in c.values()) and baselines.get(_prompt_key(run))]
@@ -196,7 +200,8 @@ def predictor(profile_path: str | Path) -> Callable[[Row], float | None]:
     α is estimated from the row's counts (accepted / (accepted + rejections)); c, the draft's
     two-position step and its reading of the prompt (spread over the row's decoded tokens)
     come from the profile for draft models, and are zero for prompt lookup and synthetic
-    drafts. Rows of another target than the profile's, and adaptive rows, get no prediction.
+    drafts. Rows of another target than the profile's, adaptive rows and rows with a draft
+    vocabulary (the profile timed the whole one's steps) get no prediction.
     """
     try:
         from verispec.lab.calibrate import load_profile
@@ -215,7 +220,7 @@ def predictor(profile_path: str | Path) -> Callable[[Row], float | None]:
         alpha = alpha_from_counts(row.accepted, row.recovered)
         if row.proposer_kind != "draft":
             return predict_speedup(alpha, row.gamma, 0.0, costs.r)
-        if profile.draft is None:
+        if profile.draft is None or row.draft_vocab is not None:  # the profile timed the whole vocabulary's steps
             return None
         return predict_speedup(alpha, row.gamma, costs.c, costs.r, costs.draft_r2,
                                costs.prompt_cost(row.prompt_tokens, row.decoded_tokens))
