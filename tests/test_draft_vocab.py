@@ -177,3 +177,18 @@ def test_the_command_line_takes_a_draft_vocabulary(folder, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([*args[:-1], "--draft-vocab", "0", PROMPT])
     assert exit_info.value.code == 2 and "--draft-vocab" in capsys.readouterr().err
+
+
+def test_the_contexts_ids_stop_at_their_cap(folder, monkeypatch):
+    """A long context adds at most MAX_CONTEXT_IDS ids above the limit (each one's row is read
+    once), and speculation stays exact past the cap."""
+    import verispec.spec.draft_model as draft_model
+
+    monkeypatch.setattr(draft_model, "MAX_CONTEXT_IDS", 5)
+    target = _load(folder, "float32")
+    proposer = DraftModelProposer(target, vocab_limit=64)
+    prompt = list(range(100, 140))  # 40 ids above the limit
+    plain = generate(target, prompt, max_tokens=16, ignore_eos=True)
+    result = generate(target, prompt, draft=proposer, gamma=3, max_tokens=16, ignore_eos=True)
+    assert result.token_ids == plain.token_ids
+    assert proposer.extra_ids == prompt[:5] and proposer.extra_rows.shape == (5, target.config.hidden_size)
