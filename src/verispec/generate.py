@@ -188,7 +188,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
            draft_vocab: int | None = None, lookup: bool = True) -> Iterator[Event]:
     """Decode from `target` (a LoadedModel); with `draft`, speculatively. Yields Token events, then Finished.
     With `draft_vocab`, a draft model proposes only the first `draft_vocab` token ids and the
-    context's (where it can read their output rows: a tied or float output layer). With
+    context's. With
     `adaptive` (cost-aware) and a draft model, rounds may send prompt lookup's drafts in the
     draft model's place where that promises more; `lookup=False` keeps to the draft model."""
     if not is_whole(max_tokens, 1):

@@ -98,6 +98,16 @@ class CausalLM(nn.Module):
     def output_weight(self) -> nn.Module:
         return self.lm_head if self.lm_head is not None else self.model.embed_tokens
 
+    def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Float32 rows `ids` of the output layer, read from whatever form it is kept in: a
+        packed layer's panels, a linear layer's weight, or the embedding table it shares."""
+        layer = self.output_weight()
+        if hasattr(layer, "rows"):
+            return layer.rows(ids).float()
+        if isinstance(layer, nn.Linear):
+            return layer.weight[ids].float()
+        return layer(ids).float()
+
     # -- forward
     def forward(self, tokens: torch.Tensor, cache, last_only: bool = False,
                 outputs: int | None = None, extra_rows: torch.Tensor | None = None) -> torch.Tensor:

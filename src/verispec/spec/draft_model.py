@@ -45,12 +45,12 @@ class DraftModelProposer:
         # the output layer's rows to compute, asked for only where they are fewer than all
         self.outputs = {"outputs": self.vocab_limit} if self.vocab_limit < self.rows else {}
         self.model = loaded.model
-        # the context's ids at or above the limit that the draft may propose too, and their
-        # output rows [len, hidden]; `scanned`: the context tokens looked at for them so far
-        head = self.model.lm_head
-        self.context_ids = context_ids and bool(self.outputs) and (head is None or hasattr(head, "rows")
-                                                                    or hasattr(head, "weight"))
+        # the context's ids at or above the limit that the draft may propose too, in the order
+        # of their logits' columns, and their output rows [len, hidden]; `scanned`: the context
+        # tokens looked at for them so far
+        self.context_ids = context_ids and bool(self.outputs)
         self.extra_ids: list[int] = []
+        self.extra_known: set[int] = set()
         self.extra_rows: torch.Tensor | None = None
         self.scanned = 0
         self.name = name or loaded.name
@@ -66,7 +66,7 @@ class DraftModelProposer:
         `prefill` the draft reads the prompt later, in its first round or through `catch_up`."""
         self.cache = self.model.new_cache(max_len)
         self.offset, self.ready = 0, None
-        self.extra_ids, self.extra_rows, self.scanned = [], None, 0
+        self.extra_ids, self.extra_known, self.extra_rows, self.scanned = [], set(), None, 0
         if prefill and self._readable(prompt_ids):
             self.model(torch.tensor([prompt_ids], device=self.device), self.cache, last_only=True, **self.outputs)
 
@@ -146,23 +146,15 @@ class DraftModelProposer:
         """Add the ids of the context not scanned yet that lie at or above the limit."""
         if not self.context_ids or self.scanned >= len(context):
             return
-        known = set(self.extra_ids)
-        new = [t for t in dict.fromkeys(context[self.scanned:]) if self.vocab_limit <= t < self.rows and t not in known]
+        new = [t for t in dict.fromkeys(context[self.scanned:])
+               if self.vocab_limit <= t < self.rows and t not in self.extra_known]
         self.scanned = len(context)
         new = new[:MAX_CONTEXT_IDS - len(self.extra_ids)]
         if new:
-            rows = self._output_rows(new)
+            rows = self.model.output_rows(torch.tensor(new, device=self.device))
             self.extra_rows = rows if self.extra_rows is None else torch.cat([self.extra_rows, rows])
             self.extra_ids.extend(new)
-
-    def _output_rows(self, ids: list[int]) -> torch.Tensor:
-        """The output layer's rows of `ids`, float32 [len, hidden]: the embedding's where the
-        two are one table, else the layer's own (a packed layer reads them from its panels)."""
-        picked = torch.tensor(ids, device=self.device)
-        head = self.model.lm_head
-        if head is None:
-            return self.model.model.embed_tokens(picked).float()
-        return head.rows(picked).float() if hasattr(head, "rows") else head.weight[picked].float()
+            self.extra_known.update(new)
 
     def _readable(self, ids: list[int]) -> bool:
         return all(i < self.rows for i in ids)
