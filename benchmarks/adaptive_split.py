@@ -166,10 +166,10 @@ class TimedReadingProposer(ReadingProposer):
 
 # the trials that draft through a proposer of their own; the rest (and probe-budget) change generate() (policy())
 PROPOSERS = {"first-look": FirstLookProposer, "first-draft-apart": FirstDraftApartProposer,
-             "probe-budget": TimedReadingProposer}
+             "probe-budget": TimedReadingProposer, "plain-budget": TimedReadingProposer}
 VARIANTS = ["current", "draft-only", "draft-first", "late-probe", "plain-bound", "first-look", "light-prior",
             "short-window", "first-draft-apart", "confident-probe", "quick-reprobe", "heavy-prior",
-            "fast-fall", "early-cap", "probe-budget", "ngram-apart"]
+            "fast-fall", "early-cap", "probe-budget", "plain-budget", "ngram-apart"]
 
 DRAFT_FIRST = 4
 
@@ -303,12 +303,14 @@ def early_cap_policy(max_gamma: int):
 PROBE_SHARE = 0.1
 
 
-def probe_budget_policy(max_gamma: int):
+def probe_budget_policy(max_gamma: int, lookup_waits: bool = True):
     """The `probe-budget` trial's policy: once speculation is given up, the next probe waits
     until the plain steps since the last speculative round have cost what that round lost
     (its catch-up reading, drafts and pass, less the plain steps its tokens saved) over
     PROBE_SHARE, so that failed probes take at most that share of a request's time, and
-    probes come soon where they are cheap and late where they are dear."""
+    probes come soon where they are cheap and late where they are dear. Without
+    `lookup_waits` (the `plain-budget` trial) prompt lookup's rounds do not count towards
+    the wait: they are rounds of their own, not plain steps the draft model could improve."""
     from verispec.spec.gamma import CostAwareGamma
 
     class ProbeBudgetGamma(CostAwareGamma):
@@ -328,7 +330,7 @@ def probe_budget_policy(max_gamma: int):
             reading_s, TimedReadingProposer.unread_s = TimedReadingProposer.unread_s, 0.0
             super().update(gamma, accepted, draft_s, verify_s, draft_steps, lookup)
             if gamma == 0 or lookup:  # prompt lookup's rounds cost what plain steps do
-                self.plain_s_since += verify_s
+                self.plain_s_since += verify_s if gamma == 0 or lookup_waits else 0.0
                 return
             step = min(self.verify_s.values())
             self.plain_s_since = 0.0
@@ -410,6 +412,7 @@ POLICIES = {
     "quick-reprobe": quick_reprobe_policy,
     "early-cap": early_cap_policy,
     "probe-budget": probe_budget_policy,
+    "plain-budget": lambda max_gamma: probe_budget_policy(max_gamma, lookup_waits=False),
     "ngram-apart": ngram_apart_policy,
 }
 

@@ -34,20 +34,22 @@ def run(target, prompt: str, tokens: int, **options):
     return generate(target, prompt, chat=True, max_tokens=tokens, **options)
 
 
-def ways_of(limits: list[int]) -> dict[str, tuple[int | None, bool]]:
-    """Each way's name, and its (vocabulary limit, whether the context's ids are proposed too)."""
+def ways_of(limits: list[int], alone: bool = True) -> dict[str, tuple[int | None, bool]]:
+    """Each way's name, and its (vocabulary limit, whether the context's ids are proposed too);
+    without `alone`, only the limits with the context's ids."""
     ways = {"whole": (None, False)}
     for limit in limits:
-        ways[f"{limit} only"] = (limit, False)
+        if alone:
+            ways[f"{limit} only"] = (limit, False)
         ways[f"{limit} and context"] = (limit, True)
     return ways
 
 
-def compare(target, draft, prompts, limits, gamma: int, tokens: int, adaptive: bool = False) -> dict:
+def compare(target, draft, prompts, ways: dict[str, tuple[int | None, bool]], gamma: int, tokens: int,
+            adaptive: bool = False) -> dict:
     """Per way (ways_of): plain and speculative seconds, drafts kept, draft seconds, validity."""
     from verispec.spec.draft_model import DraftModelProposer
 
-    ways = ways_of(limits)
     totals = {way: {"plain_s": 0.0, "spec_s": 0.0, "accepted": 0, "drafted": 0, "draft_s": 0.0,
                     "plain_steps": 0, "valid": True} for way in ways}
     for prompt in prompts:
@@ -83,6 +85,8 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--adaptive", action="store_true", help="speculative runs with --adaptive (cost-aware γ)")
+    parser.add_argument("--with-context-only", action="store_true",
+                        help="compare the whole vocabulary with each limit and the context's ids only")
     args = parser.parse_args()
 
     from verispec.lab.prompts import load_prompts
@@ -90,20 +94,24 @@ def main() -> int:
     details = f"{'--adaptive, ' if args.adaptive else ''}γ = {args.gamma}, {args.tokens} tokens"
     target, draft, record = load_pair(args, "draft vocabulary", details)
     record.update(gamma=args.gamma, tokens=args.tokens, adaptive=args.adaptive, categories={})
-    all_valid = True
+    ways = ways_of(args.limits, alone=not args.with_context_only)
+    all_valid, ratios = True, {}
     for category in args.categories:
         prompts = load_prompts(f"spec-bench:{category}", limit=args.prompts)
-        results = compare(target, draft, prompts, args.limits, args.gamma, args.tokens, args.adaptive)
+        results = compare(target, draft, prompts, ways, args.gamma, args.tokens, args.adaptive)
         record["categories"][category] = results
         whole = results["whole"]
         for way, r in results.items():
             all_valid &= r["valid"]
+            ratios.setdefault(way, {})[category] = round(r["speedup"] / whole["speedup"], 4)
             gain = "" if way == "whole" else f"  ({r['speedup'] / whole['speedup']:.3f}x the whole vocabulary's)"
-            limit, context = ways_of(args.limits)[way]
+            limit, context = ways[way]
             label = "whole vocabulary" if limit is None else f"first {limit:,} {'and context' if context else 'only'}"
             print(f"  {category:>15} {label:>24}: speed-up {r['speedup']:.2f}x, acceptance {r['acceptance']:.1%}, "
                   f"c = {r['c']:.3f}, {'VALID' if r['valid'] else 'INVALID'}{gain}")
-    save("draft_vocab_adaptive" if args.adaptive else "draft_vocab", record)
+    history = {"gamma": args.gamma, "adaptive": args.adaptive, "prompts": args.prompts, "all_valid": all_valid,
+               "ratio_to_whole": {way: r for way, r in ratios.items() if way != "whole"}}
+    save("draft_vocab_adaptive" if args.adaptive else "draft_vocab", record, history)
     return 0 if all_valid else 1
 
 

@@ -1058,7 +1058,8 @@ def test_adaptive_split_accounts_for_every_pass_and_its_trials_keep_the_output(f
     records = adaptive_split.requests(target, target, prompt, 30, 4, adaptive_split.VARIANTS)
     assert set(records) == {"current", "draft-only", "draft-first", "late-probe", "plain-bound", "first-look",
                             "light-prior", "short-window", "first-draft-apart", "confident-probe",
-                            "quick-reprobe", "heavy-prior", "fast-fall", "early-cap", "probe-budget", "ngram-apart"}
+                            "quick-reprobe", "heavy-prior", "fast-fall", "early-cap", "probe-budget", "plain-budget",
+                            "ngram-apart"}
     assert records["draft-only"]["lookup_drafted"] == 0
     for name, r in records.items():
         assert r["valid"], name
@@ -1236,11 +1237,12 @@ def test_draft_vocab_compares_each_limit_with_and_without_the_contexts_ids(folde
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     draft_vocab = importlib.import_module("draft_vocab")
     assert list(draft_vocab.ways_of([64])) == ["whole", "64 only", "64 and context"]
+    assert list(draft_vocab.ways_of([64], alone=False)) == ["whole", "64 and context"]
     target = load_model(folder)
     plain = generate(target, "the cat sat on the mat.", max_tokens=24, ignore_eos=True)
     limit = sorted(plain.token_ids)[len(plain.token_ids) // 2] + 1
     prompts = [Prompt("cat", "test", "the cat sat on the mat."), Prompt("dog", "test", "a dog ran after the cat")]
-    totals = draft_vocab.compare(target, target, prompts, [limit], gamma=4, tokens=24)
+    totals = draft_vocab.compare(target, target, prompts, draft_vocab.ways_of([limit]), gamma=4, tokens=24)
     assert all(way["valid"] for way in totals.values())
     whole, only, context = (totals[w]["acceptance"] for w in ("whole", f"{limit} only", f"{limit} and context"))
     assert only < context <= whole == 1.0

@@ -320,6 +320,35 @@ def test_probe_budget_trial_waits_for_plain_steps_worth_the_last_probes_loss(mon
         assert sum(lost[:-1]) <= adaptive_split.PROBE_SHARE * plain_s < sum(lost) + 0.01
 
 
+def test_plain_budget_trial_counts_only_plain_steps_towards_the_wait(monkeypatch):
+    """benchmarks/adaptive_split.py's `plain-budget` trial waits as `probe-budget` does, but
+    prompt lookup's rounds between probes do not bring the next probe nearer."""
+    import importlib
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    adaptive_split = importlib.import_module("adaptive_split")
+
+    def plain_steps_before_probe(variant: str, lookup_rounds: bool) -> int:
+        policy = adaptive_split.POLICIES[variant](16)
+        policy.update(0, 0, 0.0, 0.010)
+        policy.update(2, 0, 0.008, 0.012)  # a failed round: lost 10 ms, so the wait is 0.1 s
+        plain = 0
+        for i in range(100):
+            if policy.choose():
+                return plain
+            lookup = lookup_rounds and i % 2 == 1  # every other round one of prompt lookup's
+            plain += not lookup
+            policy.update(2 if lookup else 0, 0, 0.0, 0.012 if lookup else 0.010, lookup=lookup)
+        raise AssertionError("no probe")
+
+    alone = plain_steps_before_probe("probe-budget", lookup_rounds=False)
+    assert 10 <= alone <= 11  # 0.1 s of 10 ms steps
+    assert plain_steps_before_probe("plain-budget", lookup_rounds=False) == alone
+    assert plain_steps_before_probe("plain-budget", lookup_rounds=True) == alone
+    assert plain_steps_before_probe("probe-budget", lookup_rounds=True) < alone  # lookup's rounds counted
+
+
 def test_ngram_apart_trial_learns_each_ngram_sizes_acceptance_apart(monkeypatch):
     """benchmarks/adaptive_split.py's `ngram-apart` trial: its lookup says whether a 3-gram or a
     2-gram found the continuation, and its policy's acceptance for lookup is that size's own."""
