@@ -511,14 +511,15 @@ def near_minus_far(rows: list[dict]) -> str:
 
 
 def requests(target, draft, prompt: str, tokens: int, gamma: int, variants: list[str]) -> dict[str, dict]:
-    """One prompt: plain, --adaptive in each variant (timed apart), plain again."""
-    from verispec.spec.draft_model import DraftModelProposer
+    """One prompt: plain, --adaptive in each variant (timed apart), plain again. The draft
+    proposes the vocabulary the engine's draft does by default (`draft_vocab="auto"`)."""
+    from verispec.generate import make_proposer
 
     before = timed_run(target, prompt, max_tokens=tokens)
     runs = {}
     for name in variants:
         kind = PROPOSERS.get(name, ReadingProposer)
-        proposer = kind(DraftModelProposer(draft))
+        proposer = kind(make_proposer(draft, target))
         with policy(name):
             result, passes = timed_run(target, prompt, max_tokens=tokens, draft=proposer, gamma=gamma,
                                        adaptive="cost", lookup=name != "draft-only")

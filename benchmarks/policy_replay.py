@@ -13,7 +13,9 @@ tell two policies apart. Here the decisions are the engine's own, and only time 
   pass's logits pick the answer's next token at every position, which is what a greedy
   verification compares the drafts with, so the replay keeps exactly the drafts a real run
   keeps, and its output must equal the answer;
-- the draft model runs for real, with the engine's catch-up reading and windows;
+- the draft model runs for real, with the engine's catch-up reading and windows, proposing its
+  whole vocabulary (the cost table times its whole output layer; the engine's default limits a
+  large one, `draft_vocab="auto"`, which makes its steps cheaper than modelled here);
 - time is a virtual clock that the engine reads in place of the real one: a target pass over
   m positions costs t(m) and a draft pass over m positions d(m), from one table measured at
   the start of the run (medians, taken in turns) or read from an earlier run's record.

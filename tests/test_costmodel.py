@@ -343,6 +343,24 @@ def test_calibrate_command_on_a_tiny_model_then_explain_with_it(tmp_path, capsys
     assert "measured in" in capsys.readouterr().out
 
 
+def test_calibrate_times_the_draft_with_its_vocabulary(tmp_path, capsys):
+    """`--draft-vocab 64` times the draft's steps computing the first 64 ids' logits, as decoding
+    with it would; the profile says so, and counts the output rows it skips as not read."""
+    folder = tmp_path / "tiny-qwen2"
+    tiny.save_hf_model(folder, "qwen2", seed=2)
+    profiles = {}
+    for vocab in ("all", "64"):
+        out_file = tmp_path / f"{vocab}.json"
+        assert main(["calibrate", "--model", str(folder), "--draft", str(folder), "--max-m", "2", "--repeats", "1",
+                     "--context", "8", "--buffer-mib", "8", "--draft-vocab", vocab, "--out", str(out_file)]) == 0
+        profiles[vocab] = load_profile(out_file)
+    assert "logits of the first 64 ids" in capsys.readouterr().out
+    whole, limited = profiles["all"].draft, profiles["64"].draft
+    assert whole.vocab is None and limited.vocab == 64 and profiles["64"].target.vocab is None
+    hidden, vocab = 64, tiny.VOCAB  # the tiny qwen2's untied output layer, float32
+    assert whole.weight_bytes - limited.weight_bytes == (vocab - 64) * hidden * 4
+
+
 # ---------------------------------------------------------------- bad paths and values, caught before any work
 
 

@@ -148,6 +148,31 @@ def test_sampling_with_a_limited_draft_decodes(folder):
     assert all(t < 128 or t in prompt_ids or t in before for t, before in drafted_tokens(result))
 
 
+def test_auto_limits_only_a_vocabulary_more_than_twice_its_number():
+    from verispec.spec.draft_model import AUTO_DRAFT_VOCAB, draft_vocab_limit
+
+    assert AUTO_DRAFT_VOCAB == 32768
+    assert draft_vocab_limit("auto", 151936) == 32768  # Qwen2.5's
+    assert draft_vocab_limit("auto", 65536) is None and draft_vocab_limit("auto", 49152) is None
+    assert draft_vocab_limit(None, 151936) is None
+    assert draft_vocab_limit(1000, 151936) == 1000 and draft_vocab_limit(151936, 151936) is None
+
+
+def test_a_large_vocabulary_is_limited_by_default_and_none_keeps_it_whole(folder, monkeypatch):
+    """generate's default ("auto") limits a draft whose vocabulary is more than twice the
+    number (here 64 of 262 ids): above it the draft proposes only the context's ids; with
+    draft_vocab=None it proposes any. The output is the target's every way."""
+    monkeypatch.setattr("verispec.spec.draft_model.AUTO_DRAFT_VOCAB", 64)
+    target = _load(folder, "float32")
+    plain = generate(target, PROMPT, max_tokens=32, ignore_eos=True)
+    prompt_ids = set(encode_prompt(target.tokenizer, PROMPT, False))
+    by_default = generate(target, PROMPT, draft=target, gamma=4, max_tokens=32, ignore_eos=True)
+    whole = generate(target, PROMPT, draft=target, gamma=4, max_tokens=32, ignore_eos=True, draft_vocab=None)
+    assert by_default.token_ids == whole.token_ids == plain.token_ids
+    assert all(t < 64 or t in prompt_ids or t in before for t, before in drafted_tokens(by_default))
+    assert any(t >= 64 and t not in prompt_ids and t not in before for t, before in drafted_tokens(whole))
+
+
 @pytest.mark.parametrize("value", [0, -3, 2.5, "many"])
 def test_a_bad_draft_vocabulary_is_a_clear_error(folder, value):
     target = _load(folder, "int8")
@@ -174,9 +199,13 @@ def test_the_command_line_takes_a_draft_vocabulary(folder, capsys):
     import json
 
     assert json.loads(limited)["token_ids"] == json.loads(whole)["token_ids"]
+    assert main([*args[:-1], "--draft-vocab", "all", PROMPT]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == json.loads(whole)["token_ids"]
     with pytest.raises(SystemExit) as exit_info:
         main([*args[:-1], "--draft-vocab", "0", PROMPT])
     assert exit_info.value.code == 2 and "--draft-vocab" in capsys.readouterr().err
+    assert main(["generate", "--model", str(folder), "--draft-vocab", "100", "-n", "4", PROMPT]) == 1
+    assert "--draft-vocab limits a draft model's vocabulary, but there is no --draft" in capsys.readouterr().err
 
 
 def test_the_contexts_ids_stop_at_their_cap(folder, monkeypatch):

@@ -376,6 +376,25 @@ def test_report_shows_the_cost_model_prediction_with_a_profile(tmp_path, capsys)
     assert code == 0 and "Predicted" in out and f"{expected:.2f}x" in out
 
 
+def test_report_predicts_only_rows_of_the_draft_vocabulary_the_profile_timed(tmp_path):
+    """A profile whose draft steps computed the first 64 ids' logits predicts the rows whose
+    draft proposed those ids, not the whole vocabulary's, and the other way round."""
+    from verispec.lab.calibrate import CalibrationProfile, ModelTiming
+
+    records = [fake_run("1", 0, 10.0), fake_run("1", 0, 15.0, "d", 4, accepted=4, drafted=8),
+               {**fake_run("1", 0, 16.0, "d", 4, accepted=4, drafted=8), "draft_vocab": 64, "key": "limited"}]
+    path = tmp_path / "runs.jsonl"
+    RecordWriter(path, fresh=True).write_all(records)
+    target = ModelTiming("t", "float32", 64, [1, 2, 3, 4, 5], [0.10, 0.12, 0.13, 0.14, 0.15])
+    for vocab in (None, 64):
+        CalibrationProfile({"processor": "test"}, 1e10, 1e10, 1e11, target,
+                           ModelTiming("d", "float32", 64, [1], [0.02], vocab=vocab)).save(tmp_path / "p.json")
+        rows = report.build_report(path, profile=tmp_path / "p.json").rows
+        predicted = {row.draft_vocab: row.predicted for row in rows}
+        assert set(predicted) == {None, 64}
+        assert all((value is not None) == (vocab == timed) for timed, value in predicted.items())
+
+
 def test_report_prediction_charges_the_drafts_prompt_reading(tmp_path):
     """With the draft's prefill in the profile, each row pays for reading its prompts once."""
     from verispec.lab.calibrate import CalibrationProfile, ModelTiming
@@ -475,7 +494,8 @@ def test_sweep_lookup_both_ways_runs_each_adaptive_draft_model_configuration_twi
         "max_tokens": 40, "ignore_eos": True, "chat": False, "repeats": 1, "warmup": False,
         "out": str(tmp_path / "lookup.jsonl")})
     assert [c.label.split(" ", 1)[1] for c in config.configs()] == [
-        "γ=4", "γ=4 adaptive=cost", "γ=4 adaptive=cost no-lookup", "γ=4", "γ=4 adaptive=cost"]
+        "γ=4 vocab=auto", "γ=4 adaptive=cost vocab=auto", "γ=4 adaptive=cost no-lookup vocab=auto", "γ=4",
+        "γ=4 adaptive=cost"]
     sweep.run_sweep(config)
     runs = {(r["proposer_kind"], r["adaptive"], r["lookup"]): r for r in read_records(config.out)}
     assert runs[("draft", "cost", True)]["spec"]["lookup_drafted"] > 0
@@ -671,13 +691,30 @@ def test_bench_draft_vocab_benches_each_vocabulary_named(models, prompt_file, tm
     assert vocabularies == [None, 64]
 
 
+def test_bench_draft_vocab_auto_is_the_default_and_records_its_number(models, prompt_file, tmp_path, capsys,
+                                                                        clock, monkeypatch):
+    """Without --draft-vocab a draft model proposes what "auto" gives its vocabulary (here the
+    first 64 of 262 ids), and its records say so; its runs are not those of an explicit 64."""
+    monkeypatch.setattr("verispec.spec.draft_model.AUTO_DRAFT_VOCAB", 64)
+    out = tmp_path / "bench.jsonl"
+    options = ["bench", "--model", models / "target", "--draft", models / "same", "--gamma", "3", "--prompts",
+               prompt_file, "--limit", "1", "--max-tokens", "12", "--repeats", "1", "--no-warmup", "--out", out]
+    code, printed = run_cli(capsys, *options)
+    assert code == 0 and "(vocab: 64)" in " ".join(printed.split())
+    code, _ = run_cli(capsys, *options, "--draft-vocab", "64", "all")
+    records = [r for r in read_records(out) if r["proposer_kind"] == "draft"]
+    assert code == 0 and [r["draft_vocab"] for r in records] == [64, 64, None]
+    assert len({r["key"] for r in records}) == 3
+    assert records[0]["token_ids"] == records[1]["token_ids"] == records[2]["token_ids"]
+
+
 @pytest.mark.parametrize("bad_option, message", [
     (["--gamma", "33"], "expected a number from 1 to 32, got 33"),
     (["--ngram", "1", "3"], "MIN <= MAX"),
     (["--no-lookup", "--adaptive"], "no --draft here is a model"),
     (["-d", "some-draft", "--no-lookup"], "--adaptive cost is not on"),
     (["--draft-vocab", "1000"], "no --draft here is a model"),
-    (["-d", "some-draft", "--draft-vocab", "0"], "expected a number >= 1, got 0"),
+    (["-d", "some-draft", "--draft-vocab", "0"], "expected a number of token ids, 'auto' or 'all', got '0'"),
 ])
 def test_bench_refuses_a_bad_option_before_touching_the_results_file(models, prompt_file, tmp_path, capsys,
                                                                     monkeypatch, bad_option, message):

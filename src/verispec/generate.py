@@ -156,12 +156,12 @@ def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
     return list(stop)
 
 
-def make_proposer(draft, target, ngram: tuple[int, int] = (3, 1), draft_vocab: int | None = None
+def make_proposer(draft, target, ngram: tuple[int, int] = (3, 1), draft_vocab: int | str | None = "auto"
                   ) -> Proposer | None:
-    """None (baseline), "ngram", a loaded draft model (proposing only ids below
-    `draft_vocab` and the context's, if given), or any Proposer."""
+    """None (baseline), "ngram", a loaded draft model (proposing only the first ids and the
+    context's where `draft_vocab` says so: see `draft_vocab_limit`), or any Proposer."""
     is_model = hasattr(draft, "model") and hasattr(draft, "tokenizer")
-    if draft_vocab is not None and not is_model:
+    if draft_vocab not in (None, "auto") and not is_model:
         raise VerispecError("a draft vocabulary applies to a draft model only, not to "
                             + ("plain decoding" if draft is None else "prompt lookup or another proposer"))
     if draft is None:
@@ -170,9 +170,10 @@ def make_proposer(draft, target, ngram: tuple[int, int] = (3, 1), draft_vocab: i
         return PromptLookupProposer(max_ngram=ngram[0], min_ngram=ngram[1])
     if is_model:
         from verispec.spec.compat import check_tokenizers
-        from verispec.spec.draft_model import DraftModelProposer
+        from verispec.spec.draft_model import DraftModelProposer, draft_vocab_limit
         check_tokenizers(target.tokenizer, draft.tokenizer)
-        limit = target.config.vocab_size if draft_vocab is None else min(draft_vocab, target.config.vocab_size)
+        limit = draft_vocab_limit(draft_vocab, draft.config.vocab_size)
+        limit = target.config.vocab_size if limit is None else min(limit, target.config.vocab_size)
         return DraftModelProposer(draft, vocab_limit=limit)
     if hasattr(draft, "propose"):
         return draft
@@ -185,18 +186,20 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
            top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
            stop: str | Sequence[str] | None = (),
            chat: bool = False, ignore_eos: bool = False, ngram: tuple[int, int] = (3, 1),
-           draft_vocab: int | None = None, lookup: bool = True) -> Iterator[Event]:
+           draft_vocab: int | str | None = "auto", lookup: bool = True) -> Iterator[Event]:
     """Decode from `target` (a LoadedModel); with `draft`, speculatively. Yields Token events, then Finished.
-    With `draft_vocab`, a draft model proposes only the first `draft_vocab` token ids and the
-    context's. With
+    A draft model proposes only the first `draft_vocab` token ids and the context's; "auto"
+    (the default) limits a vocabulary of more than 65,536 ids to the first 32,768, None keeps
+    all (`draft_vocab_limit`). With
     `adaptive` (cost-aware) and a draft model, rounds may send prompt lookup's drafts in the
     draft model's place where that promises more; `lookup=False` keeps to the draft model."""
     if not is_whole(max_tokens, 1):
         raise VerispecError(f"max tokens must be a whole number >= 1, got {max_tokens!r}")
     if not is_whole(gamma, 0, MAX_GAMMA):
         raise VerispecError(f"gamma must be a whole number from 0 to {MAX_GAMMA}, got {gamma!r}")
-    if draft_vocab is not None and not is_whole(draft_vocab, 1):
-        raise VerispecError(f"the draft vocabulary must be a whole number >= 1, got {draft_vocab!r}")
+    if draft_vocab not in (None, "auto") and not is_whole(draft_vocab, 1):
+        raise VerispecError(f"the draft vocabulary must be a whole number >= 1, 'auto' or None (all of it), "
+                            f"got {draft_vocab!r}")
     params = SamplingParams(temperature, top_k, top_p, seed)
     stop = _stop_strings(stop)
     generator = params.generator() if not params.greedy else None

@@ -24,9 +24,10 @@ def register(sub) -> None:
     parser.add_argument("--no-lookup", action="store_true",
                         help="with --adaptive and a draft model, never send prompt lookup's drafts in the "
                              "draft model's place")
-    parser.add_argument("--draft-vocab", type=draft_vocab_choice, nargs="+", default=[None], metavar="N",
+    parser.add_argument("--draft-vocab", type=draft_vocab_choice, nargs="+", default=["auto"], metavar="N",
                         help="a draft model proposes only the first N token ids and the context's; several "
-                             "values ('all': the whole vocabulary) bench each")
+                             "values bench each ('all': the whole vocabulary; 'auto', the default: 32768 for a "
+                             "vocabulary of more than 65536 ids, else all)")
     parser.add_argument("--prompts", "-p", default="spec-bench",
                         help="spec-bench, spec-bench:CATEGORY[,CATEGORY], a Spec-Bench-style JSONL file, "
                              "or a text file with one prompt per line")
@@ -73,7 +74,7 @@ def run(args) -> int:
     has_model = any(p.kind == "draft" for p in map(parse_proposer, args.draft))
     if args.draft_weights and not has_model:
         raise VerispecError("--draft-weights sets a draft model's weight format, but no --draft here is a model")
-    if args.draft_vocab != [None] and not has_model:
+    if args.draft_vocab != ["auto"] and not has_model:
         raise VerispecError("--draft-vocab limits a draft model's vocabulary, but no --draft here is a model")
     if args.no_lookup and (not has_model or args.adaptive != "cost"):
         raise VerispecError("--no-lookup keeps --adaptive's rounds to the draft model, but "

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from verispec.commands.options import (WEIGHT_FORMATS, add_kv_cache_option, check_draft_options, default_dtype,
-                                       positive_int)
+from verispec.commands.options import (WEIGHT_FORMATS, add_draft_vocab_option, add_kv_cache_option,
+                                       check_draft_options, default_dtype, positive_int)
 
 
 def register(sub) -> None:
@@ -20,6 +20,7 @@ def register(sub) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: all cores)")
     add_kv_cache_option(parser)
+    add_draft_vocab_option(parser)
     parser.add_argument("--out", "-o", default=None, help="save the profile as JSON here")
     parser.set_defaults(func=run)
 
@@ -50,7 +51,7 @@ def run(args) -> int:
         draft = load_model(args.draft, default_dtype(args.device, fmt), args.device, fmt, args.kv_cache)
     profile = calibrate(target, draft, max_m=args.max_m, context=args.context, repeats=args.repeats,
                         buffer_bytes=args.buffer_mib * 2**20, device=args.device,
-                        log=lambda msg: console.print(f"[dim]{msg}[/dim]"))
+                        log=lambda msg: console.print(f"[dim]{msg}[/dim]"), draft_vocab=args.draft_vocab)
     print_profile(console, profile)
     if args.out:
         profile.save(args.out)
@@ -82,8 +83,9 @@ def print_profile(console, profile) -> None:
     for role, timing in (("target", profile.target), ("draft", profile.draft)):
         if timing is None:
             continue
+        vocab = "" if timing.vocab is None else f", logits of the first {timing.vocab:,} ids"
         table = Table(title=f"{role}: {timing.model} ({timing.weights}, {timing.weight_bytes / 1e9:.2f} GB of "
-                            f"weights per pass, {timing.context} tokens cached)")
+                            f"weights per pass, {timing.context} tokens cached{vocab})")
         for column in ("m", "t(m) ms", "r(m)", "weights GB/s"):
             table.add_column(column, justify="right")
         for m, seconds, r in zip(timing.positions, timing.seconds, timing.r):

@@ -123,15 +123,21 @@ def add_kv_cache_option(parser: argparse.ArgumentParser) -> None:
 
 
 def add_draft_vocab_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--draft-vocab", type=positive_int, default=None, metavar="N",
+    parser.add_argument("--draft-vocab", type=draft_vocab_choice, default="auto", metavar="N",
                         help="the draft model proposes only the first N token ids and those of the context "
                              "(prompt and answer so far), and its output layer computes only theirs (cheaper "
-                             "drafts, fewer accepted; the output is unchanged)")
+                             "drafts, a few fewer accepted; the output is unchanged). 'auto' (default): 32768 "
+                             "for a vocabulary of more than 65536 ids, else all; 'all': the whole vocabulary")
 
 
-def draft_vocab_choice(text: str) -> int | None:
-    """A draft vocabulary to bench: 'all' (None) or a number of first token ids."""
-    return None if text == "all" else positive_int(text)
+def draft_vocab_choice(text: str) -> int | str | None:
+    """A draft vocabulary: 'auto', 'all' (None) or a number of first token ids."""
+    if text in ("auto", "all"):
+        return None if text == "all" else text
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a number of token ids, 'auto' or 'all', got {text!r}") from None
 
 
 def default_dtype(device: str, weights: str | None) -> str:
@@ -157,6 +163,9 @@ def check_draft_options(args) -> None:
     if getattr(args, "no_lookup", False) and (no_model or getattr(args, "adaptive", False) != "cost"):
         raise VerispecError("--no-lookup keeps --adaptive's rounds to the draft model, but "
                             + ("there is no draft model" if no_model else "--adaptive cost is not on"))
+    if getattr(args, "draft_vocab", "auto") != "auto" and no_model:
+        raise VerispecError("--draft-vocab limits a draft model's vocabulary, but "
+                            + ("there is no --draft" if draft is None else "prompt lookup has none"))
 
 
 def load_target_and_draft(args) -> tuple:

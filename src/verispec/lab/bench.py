@@ -25,6 +25,7 @@ from verispec.lab.audit import (DEFAULT_SLACK, INVALID, VALID, Verdict, check_ou
                                 worst)
 from verispec.lab.prompts import Prompt
 from verispec.lab.calibrate import machine_facts
+from verispec.spec.draft_model import draft_vocab_limit
 
 WARMUP_TOKENS = 8
 
@@ -64,7 +65,9 @@ class RunConfig:
     gamma: int = 0
     adaptive: bool | str = False
     lookup: bool = True  # with the cost-aware schedule, a draft model's rounds may send prompt lookup's drafts
-    draft_vocab: int | None = None  # a draft model proposes only the first ids and the context's (None: all)
+    # a draft model proposes only the first ids and the context's: a number, None (all) or "auto"
+    # (draft_vocab_limit; records hold the number it gives)
+    draft_vocab: int | str | None = None
 
     @property
     def lookup_applies(self) -> bool:
@@ -237,6 +240,12 @@ class Bench:
             out.append(record)
         return out
 
+    def draft_vocab(self, config: RunConfig) -> int | None:
+        """The first ids the run's draft model proposes (with the context's), None for all of
+        them: how records name the draft vocabulary, whichever way the configuration chose it."""
+        draft = self.drafts.get(config.proposer.label) if config.proposer.kind == "draft" else None
+        return None if draft is None else draft_vocab_limit(config.draft_vocab, draft.config.vocab_size)
+
     def encode(self, prompt: Prompt) -> list[int]:
         tokenizer = self.target.tokenizer
         chat = self.settings.chat if self.settings.chat is not None else bool(tokenizer.chat_template)
@@ -348,7 +357,7 @@ class Bench:
             "gamma": config.gamma,
             "adaptive": config.adaptive,
             "lookup": config.lookup if config.lookup_applies else None,
-            "draft_vocab": config.draft_vocab,
+            "draft_vocab": self.draft_vocab(config),
             "repeat": repeat,
             "max_tokens": self.settings.max_tokens,
             "temperature": self.settings.temperature,
@@ -375,11 +384,12 @@ class Bench:
 
 
 def spec_configs(proposers: list[str], gammas: list[int], adaptive: list[bool | str] | None = None,
-                 lookup: list[bool] | None = None, draft_vocab: list[int | None] | None = None) -> list[RunConfig]:
+                 lookup: list[bool] | None = None, draft_vocab: list[int | str | None] | None = None
+                 ) -> list[RunConfig]:
     """The grid of speculative configurations: proposers × γ × schedules × `lookup` (whether the
     cost-aware schedule may send prompt lookup's drafts in a draft model's place) × `draft_vocab`
-    (a draft model's vocabulary: None for all of it); a configuration a choice means nothing to
-    is made once."""
+    (a draft model's vocabulary: None for all of it, "auto" by default); a configuration a
+    choice means nothing to is made once."""
     configs = []
     for text in proposers:
         spec = parse_proposer(text)
@@ -389,7 +399,7 @@ def spec_configs(proposers: list[str], gammas: list[int], adaptive: list[bool | 
             for schedule in adaptive or [False]:
                 weighs = RunConfig(spec, gamma, schedule).lookup_applies
                 choices = dict.fromkeys(lookup or [True]) if weighs else [True]
-                vocabularies = dict.fromkeys(draft_vocab or [None]) if spec.kind == "draft" else [None]
+                vocabularies = dict.fromkeys(draft_vocab or ["auto"]) if spec.kind == "draft" else [None]
                 configs.extend(RunConfig(spec, gamma, schedule, choice, vocabulary)
                                for choice in choices for vocabulary in vocabularies)
     return configs

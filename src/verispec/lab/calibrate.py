@@ -36,6 +36,7 @@ import torch
 
 from verispec.errors import VerispecError
 from verispec.lab.costmodel import Hardware, MeasuredCosts
+from verispec.spec.draft_model import draft_vocab_limit
 
 PROFILE_FORMAT = "verispec-calibration/1"
 
@@ -124,6 +125,7 @@ class ModelTiming:
     weight_bytes: int = 0
     prefill_lengths: list[int] = field(default_factory=list)  # prompts read into an empty cache
     prefill_seconds: list[float] = field(default_factory=list)
+    vocab: int | None = None  # a draft's first ids whose logits its passes computed; None: all
 
     def t(self, positions: int) -> float:
         return self.seconds[self.positions.index(positions)]
@@ -136,11 +138,12 @@ class ModelTiming:
 
 @torch.inference_mode()
 def time_passes(model: torch.nn.Module, positions: Sequence[int], context: int = 64, repeats: int = 5,
-                last_only: bool = False, seed: int = 0) -> list[float]:
+                last_only: bool = False, seed: int = 0, outputs: int | None = None) -> list[float]:
     """Median seconds of one pass over m positions after `context` cached ones, for each m.
 
     `last_only` matches how the pass is used: a verify pass wants logits for
-    every position, a draft step only for the last.
+    every position, a draft step only for the last; `outputs`, the logits of only the first
+    ids, as a draft with a limited vocabulary computes.
     """
     if not positions or min(positions) < 1:
         raise VerispecError("positions to time must be whole numbers >= 1")
@@ -153,11 +156,12 @@ def time_passes(model: torch.nn.Module, positions: Sequence[int], context: int =
     cache = model.new_cache(context + max(positions))
     model(torch.randint(0, vocab, (1, context), generator=generator).to(device), cache, last_only=True)
     inputs = {m: torch.randint(0, vocab, (1, m), generator=generator).to(device) for m in positions}
+    limited = {} if outputs is None else {"outputs": outputs}
 
     def one_pass(m: int) -> float:
         _sync(device)
         started = time.perf_counter()
-        model(inputs[m], cache, last_only=last_only)
+        model(inputs[m], cache, last_only=last_only, **limited)
         _sync(device)
         elapsed = time.perf_counter() - started
         cache.rollback(context)
@@ -173,21 +177,23 @@ def time_passes(model: torch.nn.Module, positions: Sequence[int], context: int =
 
 
 @torch.inference_mode()
-def time_prefills(model: torch.nn.Module, lengths: Sequence[int], repeats: int = 3, seed: int = 0) -> list[float]:
+def time_prefills(model: torch.nn.Module, lengths: Sequence[int], repeats: int = 3, seed: int = 0,
+                  outputs: int | None = None) -> list[float]:
     """Median seconds to read a prompt of each length into an empty cache, as a draft does
-    once per request before its first round."""
+    once per request before its first round (`outputs`: see `time_passes`)."""
     if not lengths or min(lengths) < 1:
         raise VerispecError("prompt lengths to time must be whole numbers >= 1")
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     cache = model.new_cache(max(lengths))
     prompts = {n: torch.randint(0, model.config.vocab_size, (1, n), generator=generator).to(device) for n in lengths}
+    limited = {} if outputs is None else {"outputs": outputs}
 
     def one_prefill(n: int) -> float:
         cache.rollback(0)
         _sync(device)
         started = time.perf_counter()
-        model(prompts[n], cache, last_only=True)
+        model(prompts[n], cache, last_only=True, **limited)
         _sync(device)
         return time.perf_counter() - started
 
@@ -201,12 +207,23 @@ def time_prefills(model: torch.nn.Module, lengths: Sequence[int], repeats: int =
 
 
 def time_model(loaded, positions: Sequence[int], context: int = 64, repeats: int = 5,
-               last_only: bool = False, prefill_lengths: Sequence[int] = ()) -> ModelTiming:
-    """Time a LoadedModel's passes (see `time_passes`) and, if asked, its prefills."""
-    seconds = time_passes(loaded.model, positions, context, repeats, last_only)
-    prefills = time_prefills(loaded.model, prefill_lengths, repeats) if prefill_lengths else []
-    return ModelTiming(loaded.name, loaded.weights, context, list(positions), seconds, loaded.weight_bytes(),
-                       list(prefill_lengths), prefills)
+               last_only: bool = False, prefill_lengths: Sequence[int] = (), vocab: int | None = None) -> ModelTiming:
+    """Time a LoadedModel's passes (see `time_passes`) and, if asked, its prefills; with `vocab`,
+    computing only the first ids' logits."""
+    seconds = time_passes(loaded.model, positions, context, repeats, last_only, outputs=vocab)
+    prefills = time_prefills(loaded.model, prefill_lengths, repeats, outputs=vocab) if prefill_lengths else []
+    return ModelTiming(loaded.name, loaded.weights, context, list(positions), seconds, bytes_per_pass(loaded, vocab),
+                       list(prefill_lengths), prefills, vocab)
+
+
+def bytes_per_pass(loaded, vocab: int | None = None) -> int:
+    """Weight bytes one pass reads: all of them, less the output rows past the first `vocab`."""
+    total = loaded.weight_bytes()
+    if vocab is None or vocab >= loaded.config.vocab_size:
+        return total
+    layer = loaded.model.output_weight()
+    head = sum(t.numel() * t.element_size() for t in [*layer.parameters(), *layer.buffers()])
+    return total - round(head * (1 - vocab / loaded.config.vocab_size))
 
 
 # ---------------------------------------------------------------- the profile
@@ -307,8 +324,9 @@ DRAFT_PREFILL_LENGTHS = (32, 128, 512)
 def calibrate(target=None, draft=None, max_m: int = 32, context: int = 64, repeats: int = 5,
               buffer_bytes: int = 512 * 2**20, device: str = "cpu",
               prefill_lengths: Sequence[int] = DRAFT_PREFILL_LENGTHS,
-              log: Callable[[str], None] = lambda _: None) -> CalibrationProfile:
-    """Measure the machine and, given LoadedModels, the target's t(1..max_m) and the draft's step."""
+              log: Callable[[str], None] = lambda _: None, draft_vocab: int | str | None = "auto") -> CalibrationProfile:
+    """Measure the machine and, given LoadedModels, the target's t(1..max_m) and the draft's step,
+    with the draft vocabulary decoding would use (`draft_vocab`, as `generate`'s)."""
     if max_m < 1:
         raise VerispecError(f"--max-m must be >= 1, got {max_m}")
     for loaded, positions in ((target, max_m), (draft, 2)):  # before measuring, which takes a while
@@ -328,5 +346,7 @@ def calibrate(target=None, draft=None, max_m: int = 32, context: int = 64, repea
     if draft is not None:
         log(f"timing {draft.name}: draft steps and prompt reading")
         lengths = [n for n in prefill_lengths if n < draft.config.max_position_embeddings]
-        profile.draft = time_model(draft, [1, 2], context, repeats, last_only=True, prefill_lengths=lengths)
+        vocab = draft_vocab_limit(draft_vocab, draft.config.vocab_size)
+        profile.draft = time_model(draft, [1, 2], context, repeats, last_only=True, prefill_lengths=lengths,
+                                   vocab=vocab)
     return profile

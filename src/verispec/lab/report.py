@@ -200,8 +200,8 @@ def predictor(profile_path: str | Path) -> Callable[[Row], float | None]:
     α is estimated from the row's counts (accepted / (accepted + rejections)); c, the draft's
     two-position step and its reading of the prompt (spread over the row's decoded tokens)
     come from the profile for draft models, and are zero for prompt lookup and synthetic
-    drafts. Rows of another target than the profile's, adaptive rows and rows with a draft
-    vocabulary (the profile timed the whole one's steps) get no prediction.
+    drafts. Rows of another target than the profile's, adaptive rows and rows whose draft
+    vocabulary is not the one the profile timed the draft's steps with get no prediction.
     """
     try:
         from verispec.lab.calibrate import load_profile
@@ -220,7 +220,7 @@ def predictor(profile_path: str | Path) -> Callable[[Row], float | None]:
         alpha = alpha_from_counts(row.accepted, row.recovered)
         if row.proposer_kind != "draft":
             return predict_speedup(alpha, row.gamma, 0.0, costs.r)
-        if profile.draft is None or row.draft_vocab is not None:  # the profile timed the whole vocabulary's steps
+        if profile.draft is None or row.draft_vocab != profile.draft.vocab:
             return None
         return predict_speedup(alpha, row.gamma, costs.c, costs.r, costs.draft_r2,
                                costs.prompt_cost(row.prompt_tokens, row.decoded_tokens))

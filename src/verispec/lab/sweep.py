@@ -8,7 +8,7 @@
     gammas: [4, 8, 16]
     adaptive: [false]                # or cost / heuristic
     lookup: [true]                   # with cost: may prompt lookup's drafts take a draft model's rounds
-    draft_vocab: [null, 32768]       # a draft model's first ids (and the context's) it may propose; null: all
+    draft_vocab: [all, 32768]        # a draft model's first ids (and the context's) it may propose (default: auto)
     prompts: ["spec-bench:coding", prompts.txt]
     limit: 3                         # prompts per set (see verispec.lab.prompts)
     max_tokens: 64
@@ -51,7 +51,7 @@ class SweepConfig:
     draft_weights: str | None = None
     adaptive: list[bool | str] = field(default_factory=lambda: [False])
     lookup: list[bool] = field(default_factory=lambda: [True])
-    draft_vocab: list[int | None] = field(default_factory=lambda: [None])
+    draft_vocab: list[int | str | None] = field(default_factory=lambda: ["auto"])
     prompts: list[str] = field(default_factory=lambda: ["spec-bench"])
     limit: int | None = None
     out: str | None = None
@@ -60,7 +60,8 @@ class SweepConfig:
     settings: BenchSettings = field(default_factory=BenchSettings)
 
     def configs(self) -> list[RunConfig]:
-        return spec_configs(self.proposers, self.gammas, self.adaptive, self.lookup, self.draft_vocab)
+        vocabularies = [None if choice == "all" else choice for choice in self.draft_vocab]
+        return spec_configs(self.proposers, self.gammas, self.adaptive, self.lookup, vocabularies)
 
     def draft_format(self, target_weights: str) -> str:
         """The format the draft models run in beside a target in `target_weights`."""
@@ -153,8 +154,9 @@ _EXPECTED: dict[str, tuple[Callable[[object], bool], str]] = {
     "adaptive": (_one_or_more(_is_schedule), "one or more of false, cost and heuristic"),
     "lookup": (_one_or_more(_is_flag), "true, false or [true, false] (with adaptive: cost, whether prompt "
                                        "lookup's drafts may take a draft model's rounds)"),
-    "draft_vocab": (_one_or_more(_optional(lambda n: is_whole(n, 1))),
-                    "null, a whole number >= 1 or a list of them (a draft model's first token ids; null: all)"),
+    "draft_vocab": (_one_or_more(lambda n: n in (None, "all", "auto") or is_whole(n, 1)),
+                    "auto, all, a whole number >= 1 or a list of them (a draft model's first token ids; all or "
+                    "null: the whole vocabulary; auto: 32768 of more than 65536)"),
     "prompts": (_one_or_more(_text), "one or more prompt sources (spec-bench[:CATEGORY] or files)"),
     "limit": (_optional(lambda n: is_whole(n, 1)), "a whole number >= 1 (prompts per set)"),
     "out": (_optional(_text), "a file name"),

@@ -52,7 +52,7 @@ class Engine:
 
     def __init__(self, target, draft=None, gamma: int = 4, adaptive: bool | str = False,
                  ngram: tuple[int, int] = (3, 1), served_model_name: str | None = None,
-                 draft_vocab: int | None = None, lookup: bool = True):
+                 draft_vocab: int | str | None = "auto", lookup: bool = True):
         if not 0 <= gamma <= MAX_GAMMA:
             raise VerispecError(f"gamma must be between 0 and {MAX_GAMMA}, got {gamma}")
         adaptive = "cost" if adaptive is True else adaptive
@@ -168,7 +168,7 @@ class Engine:
 
 def create_app(target, draft=None, gamma: int = 4, adaptive: bool | str = False,
                ngram: tuple[int, int] = (3, 1), served_model_name: str | None = None,
-               draft_vocab: int | None = None, lookup: bool = True) -> FastAPI:
+               draft_vocab: int | str | None = "auto", lookup: bool = True) -> FastAPI:
     """A FastAPI app serving `target` (a LoadedModel), speculatively when `draft` is given.
 
     `draft`: None, a LoadedModel with the target's tokenizer, "ngram" (prompt lookup), or a

@@ -8,6 +8,21 @@ from verispec.sampling import SamplingParams, greedy_token, probabilities, sampl
 from verispec.spec.proposer import Proposal
 
 MAX_CONTEXT_IDS = 4096  # context ids a draft limited to the first ids may propose too, at most
+AUTO_DRAFT_VOCAB = 32768  # the first ids "auto" keeps, for a vocabulary of more than twice as many
+
+
+def draft_vocab_limit(choice: int | str | None, vocab_size: int) -> int | None:
+    """The first ids a draft model of `vocab_size` ids proposes (with the context's), or None
+    for all of them, for a choice of `draft_vocab`: a number, None (all), or "auto", which
+    keeps AUTO_DRAFT_VOCAB where the vocabulary is more than twice as large. There the output
+    layer is a large share of a small draft's weights, and the ids it drops are rare: with
+    the context's ids the demo pair keeps nearly as many drafts at a fifth less per draft step
+    (benchmarks/draft_vocab.py); a smaller vocabulary would save too little."""
+    if choice == "auto":
+        return AUTO_DRAFT_VOCAB if vocab_size > 2 * AUTO_DRAFT_VOCAB else None
+    if choice is None or choice >= vocab_size:
+        return None
+    return choice
 
 
 class DraftModelProposer:
