@@ -173,6 +173,25 @@ def test_a_large_vocabulary_is_limited_by_default_and_none_keeps_it_whole(folder
     assert any(t >= 64 and t not in prompt_ids and t not in before for t, before in drafted_tokens(whole))
 
 
+def test_the_draft_vocabulary_is_the_pairs_and_the_lab_records_the_one_decoding_uses(folder, tmp_path, monkeypatch):
+    """A draft with more rows than its target's vocabulary (here 300 against 262) proposes
+    the target's ids only: "auto" and a limit past them both mean the whole vocabulary, and
+    the lab's records name what the proposer does, not what the choice would give the draft."""
+    from verispec.generate import make_proposer
+    from verispec.lab.bench import Bench, BenchSettings, RunConfig, parse_proposer
+
+    monkeypatch.setattr("verispec.spec.draft_model.AUTO_DRAFT_VOCAB", 140)  # limits more than 280 ids
+    tiny.save_hf_model(tmp_path / "draft", "qwen2", seed=2, vocab_size=300)
+    target, draft = _load(folder, "float32"), _load(tmp_path / "draft", "float32")
+    runner = Bench(target, BenchSettings(), {"draft": draft})
+    recorded = {}
+    for choice in ("auto", 270, None, 100):
+        proposer = make_proposer(draft, target, draft_vocab=choice)
+        recorded[choice] = runner.draft_vocab(RunConfig(parse_proposer("draft"), 4, draft_vocab=choice))
+        assert proposer.vocab_limit == (recorded[choice] or target.config.vocab_size)
+    assert recorded == {"auto": None, 270: None, None: None, 100: 100}
+
+
 @pytest.mark.parametrize("value", [0, -3, 2.5, "many"])
 def test_a_bad_draft_vocabulary_is_a_clear_error(folder, value):
     target = _load(folder, "int8")

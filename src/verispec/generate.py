@@ -172,9 +172,9 @@ def make_proposer(draft, target, ngram: tuple[int, int] = (3, 1), draft_vocab: i
         from verispec.spec.compat import check_tokenizers
         from verispec.spec.draft_model import DraftModelProposer, draft_vocab_limit
         check_tokenizers(target.tokenizer, draft.tokenizer)
-        limit = draft_vocab_limit(draft_vocab, draft.config.vocab_size)
-        limit = target.config.vocab_size if limit is None else min(limit, target.config.vocab_size)
-        return DraftModelProposer(draft, vocab_limit=limit)
+        # ids past the target's vocabulary are never proposed, whatever the choice
+        limit = draft_vocab_limit(draft_vocab, min(draft.config.vocab_size, target.config.vocab_size))
+        return DraftModelProposer(draft, vocab_limit=limit or target.config.vocab_size)
     if hasattr(draft, "propose"):
         return draft
     raise VerispecError(f"unknown draft {draft!r}: give a model, 'ngram', or a proposer")

@@ -244,7 +244,10 @@ class Bench:
         """The first ids the run's draft model proposes (with the context's), None for all of
         them: how records name the draft vocabulary, whichever way the configuration chose it."""
         draft = self.drafts.get(config.proposer.label) if config.proposer.kind == "draft" else None
-        return None if draft is None else draft_vocab_limit(config.draft_vocab, draft.config.vocab_size)
+        if draft is None:
+            return None
+        # as make_proposer chooses it: a limit at or past either model's vocabulary is all of it
+        return draft_vocab_limit(config.draft_vocab, min(draft.config.vocab_size, self.target.config.vocab_size))
 
     def encode(self, prompt: Prompt) -> list[int]:
         tokenizer = self.target.tokenizer
