@@ -4,6 +4,7 @@
     python benchmarks/policy_replay.py --weights int4 --categories writing roleplay --prompts 5
     python benchmarks/policy_replay.py --costs results/perf/<host>/policy_replay.json   # the same costs again
     python benchmarks/policy_replay.py --answers results/perf/<host>/policy_replay.json  # and the same answers
+    python benchmarks/policy_replay.py --draft-vocab all   # the draft proposing its whole vocabulary
 
 A real --adaptive run mixes the policy's choices with the machine's spells: a plain step of
 the same target takes 22 ms in one request and 32 ms in the next, so a few prompts cannot
@@ -13,9 +14,9 @@ tell two policies apart. Here the decisions are the engine's own, and only time 
   pass's logits pick the answer's next token at every position, which is what a greedy
   verification compares the drafts with, so the replay keeps exactly the drafts a real run
   keeps, and its output must equal the answer;
-- the draft model runs for real, with the engine's catch-up reading and windows, proposing its
-  whole vocabulary (the cost table times its whole output layer; the engine's default limits a
-  large one, `draft_vocab="auto"`, which makes its steps cheaper than modelled here);
+- the draft model runs for real, with the engine's catch-up reading and windows, proposing
+  the vocabulary `--draft-vocab` gives it (the engine's default, `auto`, unless a cost table
+  read with `--costs` was timed with another: tables before the option timed the whole one);
 - time is a virtual clock that the engine reads in place of the real one: a target pass over
   m positions costs t(m) and a draft pass over m positions d(m), from one table measured at
   the start of the run (medians, taken in turns) or read from an earlier run's record.
@@ -42,6 +43,7 @@ import torch
 
 from adaptive_split import PROPOSERS, VARIANTS, ReadingProposer, policy
 from perf_common import add_pair_arguments, load_pair, save, verdict
+from verispec.commands.options import draft_vocab_choice
 from speedup import spec_bench_categories
 
 TARGET_POSITIONS = range(1, 18)  # up to γ = 16, the cost-aware policy's largest
@@ -123,9 +125,12 @@ class CostedModel:
         return getattr(self.model, name)
 
 
-def measure(model, positions: range, last_only: bool, repeats: int = 5) -> dict[int, float]:
+def measure(model, positions: range, last_only: bool, repeats: int = 5, outputs: int | None = None
+            ) -> dict[int, float]:
     """Median seconds of a pass over m positions after CONTEXT cached ones, for each m,
-    the sizes taken in turns so that a spell touches them all alike."""
+    the sizes taken in turns so that a spell touches them all alike; `outputs`: the logits of
+    only the first ids, as a draft with a limited vocabulary computes."""
+    limited = {} if outputs is None else {"outputs": outputs}
     cache = model.new_cache(CONTEXT + max(positions) + 1)
     ids = lambda m: (torch.arange(m) % 200 + 50).unsqueeze(0)  # noqa: E731  (ordinary tokens of any vocabulary)
     with torch.inference_mode():
@@ -134,7 +139,7 @@ def measure(model, positions: range, last_only: bool, repeats: int = 5) -> dict[
         for _ in range(repeats + 1):  # the first turn warms up
             for m in positions:
                 started = time.perf_counter()
-                model(ids(m), cache, last_only=last_only)
+                model(ids(m), cache, last_only=last_only, **limited)
                 times[m].append(time.perf_counter() - started)
                 cache.rollback(CONTEXT)
     return {m: statistics.median(seconds[1:]) for m, seconds in times.items()}
@@ -163,8 +168,9 @@ def answer_of(target, prompt: str, tokens: int) -> tuple[list[int], list[float]]
 
 
 def replay(target, draft, prompt: str, answer: tuple[list[int], list[float]], variant: str, costs: dict,
-           tokens: int, gamma: int, jitter: float = 0.0, seed: int = 0) -> dict:
-    """One prompt decoded on the virtual clock: plainly, or with --adaptive as `variant` decides."""
+           tokens: int, gamma: int, jitter: float = 0.0, seed: int = 0, draft_vocab: int | None = None) -> dict:
+    """One prompt decoded on the virtual clock: plainly, or with --adaptive as `variant` decides,
+    the draft proposing the first `draft_vocab` ids and the context's (None: all of them)."""
     import verispec.generate as generation
     from verispec.generate import generate
     from verispec.spec.draft_model import DraftModelProposer
@@ -184,7 +190,7 @@ def replay(target, draft, prompt: str, answer: tuple[list[int], list[float]], va
             result = generate(target, prompt, chat=True, max_tokens=tokens)
         else:
             with policy(variant):
-                proposer = PROPOSERS.get(variant, ReadingProposer)(DraftModelProposer(draft))
+                proposer = PROPOSERS.get(variant, ReadingProposer)(DraftModelProposer(draft, vocab_limit=draft_vocab))
                 result = generate(target, prompt, chat=True, max_tokens=tokens, draft=proposer,
                                   gamma=gamma, adaptive="cost", lookup=variant != "draft-only")
     finally:
@@ -212,6 +218,10 @@ def known_answers(path: Path, record: dict, tokens: int) -> dict[str, tuple[list
     return {key: (a["tokens"], a["confidences"]) for key, a in saved["answers"].items()}
 
 
+def vocabulary(limit: int | None) -> str:
+    return "its whole vocabulary" if limit is None else f"its first {limit:,} ids and the context's"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pair_arguments(parser)
@@ -227,26 +237,37 @@ def main() -> int:
     parser.add_argument("--answers", type=Path,
                         help="a record of this script whose target answers to use again (the same target, "
                              "weights and token budget), instead of decoding each prompt first")
+    parser.add_argument("--draft-vocab", type=draft_vocab_choice, default=argparse.SUPPRESS, metavar="N",
+                        help="the draft's first ids it proposes with the context's: N, auto or all (default: "
+                             "the vocabulary the --costs table was timed with, else auto, as the engine)")
     parser.add_argument("--out", default="policy_replay")
     args = parser.parse_args()
 
     from verispec.lab.prompts import load_prompts
+    from verispec.spec.draft_model import draft_vocab_limit
 
     target, draft, record = load_pair(args, "--adaptive replayed on a virtual clock", f"{args.tokens} tokens")
+    saved = json.loads(args.costs.read_text()) if args.costs else {}
+    timed_with = saved.get("draft_vocab")  # a table from before the option was timed with the whole vocabulary
+    choice = getattr(args, "draft_vocab", timed_with if args.costs else "auto")
+    vocab = draft_vocab_limit(choice, min(draft.config.vocab_size, target.config.vocab_size))
+    if args.costs and vocab != timed_with:
+        raise SystemExit(f"{args.costs}'s draft costs were timed with {vocabulary(timed_with)}, not "
+                         f"{vocabulary(vocab)}: leave out --draft-vocab, or --costs to time the draft afresh")
+    print(f"  the draft proposes {vocabulary(vocab)}")
     if args.costs:
-        saved = json.loads(args.costs.read_text())["costs"]
-        costs = {side: {int(m): s for m, s in table.items()} for side, table in saved.items()}
+        costs = {side: {int(m): s for m, s in table.items()} for side, table in saved["costs"].items()}
         print(f"  costs from {args.costs}")
     else:
         costs = {"target": measure(target.model, TARGET_POSITIONS, last_only=False),
-                 "draft": measure(draft.model, DRAFT_POSITIONS, last_only=True)}
+                 "draft": measure(draft.model, DRAFT_POSITIONS, last_only=True, outputs=vocab)}
     t1 = costs["target"][1]
     print("  target t(m)/t(1): " + " ".join(f"{m}:{costs['target'][m] / t1:.2f}" for m in (2, 3, 5, 9, 17))
           + f"; t(1) {1e3 * t1:.1f} ms; draft d(m)/t(1): "
           + " ".join(f"{m}:{costs['draft'][m] / t1:.2f}" for m in (1, 2, 8, 16, 32)))
     known = known_answers(args.answers, record, args.tokens) if args.answers else {}
     record.update(tokens=args.tokens, gamma=args.gamma, variants=args.variants, jitter=args.jitter,
-                  seeds=args.seeds, costs=costs, requests=[], answers={})
+                  seeds=args.seeds, draft_vocab=vocab, costs=costs, requests=[], answers={})
     print(f"  {'category':>14} {'variant':>11} {'#':>2} {'out':>4} {'ratio':>6} | {'steps':>5} {'rounds':>6} "
           f"{'kept':>7} {'lookup':>7} {'catch-up':>8}  (plain steps; speculative rounds; kept/drafted, then "
           f"prompt lookup's of them; catch-up ms)")
@@ -260,7 +281,7 @@ def main() -> int:
                 plain = replay(target, draft, prompt.text, answer, "plain", costs, args.tokens, args.gamma,
                                args.jitter, 2 * seed)
                 r = replay(target, draft, prompt.text, answer, name, costs, args.tokens, args.gamma,
-                           args.jitter, 2 * seed + 1)
+                           args.jitter, 2 * seed + 1, vocab)
                 r.update(category=category, variant=name, prompt=number, seed=seed, plain_s=plain["decode_s"],
                          ratio=plain["decode_s"] / r["decode_s"] if r["decode_s"] > 0 else 1.0)
                 record["requests"].append(r)

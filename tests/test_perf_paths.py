@@ -1133,6 +1133,9 @@ def test_policy_replay_keeps_the_engines_decisions_and_charges_the_cost_table(fo
         assert own_kept == own_drafted > 0, variant  # prompt lookup's may fail
         assert r["decode_s"] < plain["decode_s"], variant
     assert verispec.generate.time is policy_replay.time  # the real clock is back
+    limited = policy_replay.replay(target, draft, prompt, answer, "current", costs, 24, 4, draft_vocab=100)
+    assert limited["valid"] and limited["spec_rounds"] >= 1
+    assert set(policy_replay.measure(draft.model, range(1, 3), True, repeats=1, outputs=100)) == {1, 2}
     unsure = (tokens, [0.3] * len(tokens))
     assert policy_replay.replay(target, draft, prompt, unsure, "current", costs, 24, 4)["spec_rounds"] >= 1
     hesitant = policy_replay.replay(target, draft, prompt, unsure, "confident-probe", costs, 24, 4)
