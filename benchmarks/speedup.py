@@ -95,9 +95,13 @@ def main() -> int:
     tokens = args.tokens or (32 if args.quick else 128)
 
     from verispec.lab.prompts import load_prompts
+    from verispec.spec.draft_model import draft_vocab_limit
 
     target, draft, record = load_pair(args, "speculative speed-up", f"{tokens} tokens")
-    record.update(tokens=tokens, sweeps={})
+    vocab = draft_vocab_limit("auto", min(draft.config.vocab_size, target.config.vocab_size))
+    print("  the draft proposes " + ("its whole vocabulary" if vocab is None else
+                                     f"its first {vocab:,} ids and the context's") + " (the default)")
+    record.update(tokens=tokens, draft_vocab=vocab, sweeps={})
     met4 = True
     for category in [] if args.skip_sweep else args.categories:
         prompts = load_prompts(f"spec-bench:{category}", limit=per_category)
