@@ -3,6 +3,7 @@
     python benchmarks/draft_vocab.py                          # coding, math_reasoning, translation
     python benchmarks/draft_vocab.py --limits 32768 --gamma 4 --prompts 2
     python benchmarks/draft_vocab.py --limits 32768 --adaptive --categories qa translation coding
+    python benchmarks/draft_vocab.py --with-context-only --limits 32768 --categories all
 
 The 0.5B draft's output layer (151,936 rows) is 28% of its weights. Limited to the first K
 ids, which a byte-level BPE gives to its most frequent tokens, it reads fewer bytes per
@@ -26,6 +27,7 @@ import sys
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 
 from perf_common import add_pair_arguments, load_pair, save
+from speedup import spec_bench_categories
 
 
 def run(target, prompt: str, tokens: int, **options):
@@ -79,7 +81,8 @@ def compare(target, draft, prompts, ways: dict[str, tuple[int | None, bool]], ga
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pair_arguments(parser)
-    parser.add_argument("--categories", nargs="+", default=["coding", "math_reasoning", "translation"])
+    parser.add_argument("--categories", nargs="+", default=["coding", "math_reasoning", "translation"],
+                        help="Spec-Bench categories, or all of them: all")
     parser.add_argument("--limits", type=int, nargs="+", default=[32768, 65536])
     parser.add_argument("--gamma", type=int, default=5)
     parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
@@ -95,6 +98,8 @@ def main() -> int:
     target, draft, record = load_pair(args, "draft vocabulary", details)
     record.update(gamma=args.gamma, tokens=args.tokens, adaptive=args.adaptive, categories={})
     ways = ways_of(args.limits, alone=not args.with_context_only)
+    if args.categories == ["all"]:
+        args.categories = spec_bench_categories()
     all_valid, ratios = True, {}
     for category in args.categories:
         prompts = load_prompts(f"spec-bench:{category}", limit=args.prompts)
