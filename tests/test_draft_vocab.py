@@ -169,6 +169,8 @@ def test_a_large_vocabulary_is_limited_by_default_and_none_keeps_it_whole(folder
     by_default = generate(target, PROMPT, draft=target, gamma=4, max_tokens=32, ignore_eos=True)
     whole = generate(target, PROMPT, draft=target, gamma=4, max_tokens=32, ignore_eos=True, draft_vocab=None)
     assert by_default.token_ids == whole.token_ids == plain.token_ids
+    assert by_default.spec.draft_vocab == 64 and whole.spec.draft_vocab is None  # what the statistics report
+    assert by_default.to_dict()["spec"]["draft_vocab"] == 64
     assert all(t < 64 or t in prompt_ids or t in before for t, before in drafted_tokens(by_default))
     assert any(t >= 64 and t not in prompt_ids and t not in before for t, before in drafted_tokens(whole))
 
@@ -218,6 +220,9 @@ def test_the_command_line_takes_a_draft_vocabulary(folder, capsys):
     import json
 
     assert json.loads(limited)["token_ids"] == json.loads(whole)["token_ids"]
+    assert json.loads(limited)["spec"]["draft_vocab"] == 100 and json.loads(whole)["spec"]["draft_vocab"] is None
+    assert main([*args[:-2], "--draft-vocab", "100", PROMPT]) == 0  # the statistics printed say so
+    assert "the draft proposed its first 100 token ids and the context's" in capsys.readouterr().out
     assert main([*args[:-1], "--draft-vocab", "all", PROMPT]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == json.loads(whole)["token_ids"]
     with pytest.raises(SystemExit) as exit_info:

@@ -50,6 +50,7 @@ class SpecStats:
     lookup_accepted: int = 0
     verify_s: float = 0.0
     gammas: list[int] = field(default_factory=list)  # γ of every round, for adaptive schedules
+    draft_vocab: int | None = None  # the first ids a draft model proposed (with the context's); None: all
 
     @property
     def acceptance_rate(self) -> float:

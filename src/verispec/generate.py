@@ -223,7 +223,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     max_len = min(context_size, len(prompt_ids) + max_tokens + max_gamma + 1)
     device = next(model.parameters()).device
 
-    stats = SpecStats()
+    stats = SpecStats(draft_vocab=getattr(proposer, "limited_to", None))
     text = TextAssembler(tokenizer, stop)
     eos_ids = set() if ignore_eos else tokenizer.eos_ids
     out_ids: list[int] = []

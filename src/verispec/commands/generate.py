@@ -80,6 +80,9 @@ def print_spec_stats(console, spec, legend: bool = False) -> None:
                   + f", verify {spec.verify_s:.2f} s[/dim]")
     if by_position:
         console.print(f"[dim]acceptance by draft position: {by_position}[/dim]")
+    if spec.draft_vocab is not None:
+        console.print(f"[dim]the draft proposed its first {spec.draft_vocab:,} token ids and the context's "
+                      f"(--draft-vocab all: every id)[/dim]")
     if legend:
         console.print("legend: [magenta]kept draft[/magenta]  [red]recovered (target's token at a rejection)"
                       "[/red]  [green]bonus[/green]  plain = target step")

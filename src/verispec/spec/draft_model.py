@@ -75,6 +75,11 @@ class DraftModelProposer:
         self.ready: tuple[int, torch.Tensor] | None = None
         self.device = loaded.device
 
+    @property
+    def limited_to(self) -> int | None:
+        """The first ids this draft proposes (with the context's), or None where it proposes all."""
+        return self.vocab_limit if self.outputs else None
+
     @torch.inference_mode()
     def start(self, prompt_ids: list[int], max_len: int, prefill: bool = True) -> None:
         """Prefill the prompt, so that the first round pays only for drafting. Without
