@@ -155,6 +155,11 @@ def free(*objects) -> None:
     gc.collect()
 
 
+def draft_vocabulary(limit: int | None) -> str:
+    """What a draft limited to its first `limit` ids (None: not limited) proposes, in words."""
+    return "its whole vocabulary" if limit is None else f"its first {limit:,} ids and the context's"
+
+
 def add_pair_arguments(parser, weights_help: str | None = None) -> None:
     """The options `load_pair` reads: the demo pair, the target in int8 and the draft in int4."""
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")

@@ -42,7 +42,7 @@ import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
 
 from adaptive_split import PROPOSERS, VARIANTS, ReadingProposer, policy
-from perf_common import add_pair_arguments, load_pair, save, verdict
+from perf_common import add_pair_arguments, draft_vocabulary, load_pair, save, verdict
 from verispec.commands.options import draft_vocab_choice
 from speedup import spec_bench_categories
 
@@ -218,10 +218,6 @@ def known_answers(path: Path, record: dict, tokens: int) -> dict[str, tuple[list
     return {key: (a["tokens"], a["confidences"]) for key, a in saved["answers"].items()}
 
 
-def vocabulary(limit: int | None) -> str:
-    return "its whole vocabulary" if limit is None else f"its first {limit:,} ids and the context's"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pair_arguments(parser)
@@ -244,17 +240,17 @@ def main() -> int:
     args = parser.parse_args()
 
     from verispec.lab.prompts import load_prompts
-    from verispec.spec.draft_model import draft_vocab_limit
+    from verispec.spec.draft_model import pair_vocab_limit
 
     target, draft, record = load_pair(args, "--adaptive replayed on a virtual clock", f"{args.tokens} tokens")
     saved = json.loads(args.costs.read_text()) if args.costs else {}
     timed_with = saved.get("draft_vocab")  # a table from before the option was timed with the whole vocabulary
     choice = getattr(args, "draft_vocab", timed_with if args.costs else "auto")
-    vocab = draft_vocab_limit(choice, min(draft.config.vocab_size, target.config.vocab_size))
+    vocab = pair_vocab_limit(choice, draft, target)
     if args.costs and vocab != timed_with:
-        raise SystemExit(f"{args.costs}'s draft costs were timed with {vocabulary(timed_with)}, not "
-                         f"{vocabulary(vocab)}: leave out --draft-vocab, or --costs to time the draft afresh")
-    print(f"  the draft proposes {vocabulary(vocab)}")
+        raise SystemExit(f"{args.costs}'s draft costs were timed with {draft_vocabulary(timed_with)}, not "
+                         f"{draft_vocabulary(vocab)}: leave out --draft-vocab, or --costs to time the draft afresh")
+    print(f"  the draft proposes {draft_vocabulary(vocab)}")
     if args.costs:
         costs = {side: {int(m): s for m, s in table.items()} for side, table in saved["costs"].items()}
         print(f"  costs from {args.costs}")

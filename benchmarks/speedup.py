@@ -24,7 +24,7 @@ import sys
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 
-from perf_common import add_pair_arguments, load_pair, save, verdict
+from perf_common import add_pair_arguments, draft_vocabulary, load_pair, save, verdict
 
 
 def run(target, prompt: str, tokens: int, **options):
@@ -95,12 +95,11 @@ def main() -> int:
     tokens = args.tokens or (32 if args.quick else 128)
 
     from verispec.lab.prompts import load_prompts
-    from verispec.spec.draft_model import draft_vocab_limit
+    from verispec.spec.draft_model import pair_vocab_limit
 
     target, draft, record = load_pair(args, "speculative speed-up", f"{tokens} tokens")
-    vocab = draft_vocab_limit("auto", min(draft.config.vocab_size, target.config.vocab_size))
-    print("  the draft proposes " + ("its whole vocabulary" if vocab is None else
-                                     f"its first {vocab:,} ids and the context's") + " (the default)")
+    vocab = pair_vocab_limit("auto", draft, target)
+    print(f"  the draft proposes {draft_vocabulary(vocab)} (the default)")
     record.update(tokens=tokens, draft_vocab=vocab, sweeps={})
     met4 = True
     for category in [] if args.skip_sweep else args.categories:

@@ -170,10 +170,9 @@ def make_proposer(draft, target, ngram: tuple[int, int] = (3, 1), draft_vocab: i
         return PromptLookupProposer(max_ngram=ngram[0], min_ngram=ngram[1])
     if is_model:
         from verispec.spec.compat import check_tokenizers
-        from verispec.spec.draft_model import DraftModelProposer, draft_vocab_limit
+        from verispec.spec.draft_model import DraftModelProposer, pair_vocab_limit
         check_tokenizers(target.tokenizer, draft.tokenizer)
-        # ids past the target's vocabulary are never proposed, whatever the choice
-        limit = draft_vocab_limit(draft_vocab, min(draft.config.vocab_size, target.config.vocab_size))
+        limit = pair_vocab_limit(draft_vocab, draft, target)
         return DraftModelProposer(draft, vocab_limit=limit or target.config.vocab_size)
     if hasattr(draft, "propose"):
         return draft

@@ -25,7 +25,7 @@ from verispec.lab.audit import (DEFAULT_SLACK, INVALID, VALID, Verdict, check_ou
                                 worst)
 from verispec.lab.prompts import Prompt
 from verispec.lab.calibrate import machine_facts
-from verispec.spec.draft_model import draft_vocab_limit
+from verispec.spec.draft_model import pair_vocab_limit
 
 WARMUP_TOKENS = 8
 
@@ -244,10 +244,7 @@ class Bench:
         """The first ids the run's draft model proposes (with the context's), None for all of
         them: how records name the draft vocabulary, whichever way the configuration chose it."""
         draft = self.drafts.get(config.proposer.label) if config.proposer.kind == "draft" else None
-        if draft is None:
-            return None
-        # as make_proposer chooses it: a limit at or past either model's vocabulary is all of it
-        return draft_vocab_limit(config.draft_vocab, min(draft.config.vocab_size, self.target.config.vocab_size))
+        return None if draft is None else pair_vocab_limit(config.draft_vocab, draft, self.target)
 
     def encode(self, prompt: Prompt) -> list[int]:
         tokenizer = self.target.tokenizer

@@ -25,6 +25,12 @@ def draft_vocab_limit(choice: int | str | None, vocab_size: int) -> int | None:
     return choice
 
 
+def pair_vocab_limit(choice: int | str | None, draft, target) -> int | None:
+    """`draft_vocab_limit` for a loaded draft and target: over the ids both know, since a
+    draft never proposes an id past the target's vocabulary, whatever the choice."""
+    return draft_vocab_limit(choice, min(draft.config.vocab_size, target.config.vocab_size))
+
+
 class DraftModelProposer:
     """Drafts γ tokens one step at a time.
 
