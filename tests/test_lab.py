@@ -8,6 +8,7 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -209,6 +210,88 @@ def test_accounting_keeps_plain_steps_apart_from_bonus_tokens():
     older = {key: value for key, value in swapped.items() if key != "plain"}
     assert not audit.check_accounting(older, 7, origins).valid
     assert audit.check_accounting({**older, "bonus": 3}, 7, origins).valid
+
+
+# ---------------------------------------------------------------- sampled output against the target's distribution
+
+
+def test_uniformity_p_value_agrees_with_scipy():
+    from scipy import stats
+
+    rng = np.random.default_rng(0)
+    for n, skew in [(5, 1.0), (40, 1.0), (40, 2.0), (128, 1.0), (128, 1.5), (1000, 1.15), (1000, 1.0)]:
+        values = rng.random(n) ** skew  # skew > 1 piles values up towards 0
+        expected = stats.kstest(values, "uniform").pvalue
+        assert audit.uniformity_p_value(values.tolist()) == pytest.approx(expected, rel=0.1, abs=3e-3)
+    assert audit.uniformity_p_value([]) == 1.0
+
+
+def test_randomized_pit_passes_draws_from_the_distribution_only():
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.softmax(2 * torch.randn(2000, 50, generator=gen), -1)
+    drawn = torch.multinomial(probs, 1, generator=gen)[:, 0].tolist()
+    values, impossible = audit.randomized_pit(probs, drawn, gen)
+    assert impossible == 0 and min(values) >= 0 and max(values) <= 1
+    assert audit.check_sampled_output(values).valid
+    other = torch.softmax(2 * torch.randn(2000, 50, generator=gen), -1)  # another model's distribution
+    for tokens in (probs.argmax(-1).tolist(), torch.multinomial(other, 1, generator=gen)[:, 0].tolist()):
+        verdict = audit.check_sampled_output(audit.randomized_pit(probs, tokens, gen)[0])
+        assert verdict.status == audit.INVALID and "not drawn from the target's distribution" in verdict.reason
+    cut = probs.clone()
+    cut[0, drawn[0]] = 0.0  # a token the distribution cannot give (outside top-k, say)
+    values, impossible = audit.randomized_pit(cut, drawn, gen)
+    assert impossible == 1 and "probability 0" in audit.check_sampled_output(values, impossible).reason
+
+
+def test_target_probabilities_follow_the_decoding_steps(loaded):
+    """The audit's teacher-forced passes give the distributions the sampler drew from, position by position."""
+    from verispec.sampling import SamplingParams, probabilities
+
+    target, params = loaded["target"], SamplingParams(temperature=0.7, top_k=40)
+    prompt, output = list(range(5, 25)), list(range(30, 100))
+    got = audit.target_probabilities(target, prompt, output, params, chunk=16)
+    assert got.shape == (len(output), tiny.VOCAB)
+    with torch.inference_mode():
+        cache = target.model.new_cache(len(prompt) + len(output))
+        steps = [target.model(torch.tensor([prompt]), cache, last_only=True)[0, -1]]
+        steps += [target.model(torch.tensor([[token]]), cache)[0, -1] for token in output[:-1]]
+    expected = probabilities(torch.stack(steps), params)
+    assert torch.allclose(got, expected, atol=1e-5)
+
+
+def sampled_bench(loaded, proposer: str) -> list[dict]:
+    settings = small_settings(max_tokens=48, temperature=0.5, ignore_eos=True)
+    runner = bench.Bench(loaded["target"], settings, {proposer: loaded[proposer]}, label="tiny")
+    return runner.run("tiny-prompts", tiny_prompts(), bench.spec_configs([proposer], [4]))
+
+
+def test_sampled_runs_are_checked_against_the_target_distribution(loaded):
+    records = sampled_bench(loaded, "other")
+    assert all(r["audit"]["output"]["status"] == audit.VALID and "KS p" in r["audit"]["output"]["reason"]
+               and len(r["pit"]) == r["completion_tokens"] for r in records)  # the baselines too
+    assert all(r["speedup"] == pytest.approx(r["tok_s"] / r["baseline_tok_s"]) for r in records if r["spec"])
+    row = report.summarize(records)[0]
+    assert row.verdict.status == audit.VALID and "follow the target's distribution" in row.verdict.reason
+
+
+def test_injected_sampling_that_keeps_every_draft_is_invalid(loaded, monkeypatch):
+    """A verifier that keeps every draft emits the draft's distribution, not the target's."""
+    from verispec import generate as engine
+    from verispec.sampling import next_token
+    from verispec.spec.verifier import Verdict
+
+    honest = engine.verify_sampling
+
+    def trusting_verifier(logits, drafts, draft_probs, params, generator):
+        if not drafts:  # a plain step
+            return honest(logits, drafts, draft_probs, params, generator)
+        return Verdict(len(drafts), next_token(logits[len(drafts)], params, generator), bonus=True)
+
+    monkeypatch.setattr(engine, "verify_sampling", trusting_verifier)
+    records = sampled_bench(loaded, "other")
+    assert all(r["audit"]["status"] == audit.VALID for r in records if not r["spec"])
+    assert any(r["audit"]["output"]["status"] == audit.INVALID for r in records if r["spec"])
+    assert report.summarize(records)[0].verdict.status == audit.INVALID
 
 
 # ---------------------------------------------------------------- bench on tiny models

@@ -42,7 +42,8 @@ def register(sub) -> None:
     parser.add_argument("--threads", type=positive_int, default=None)
     add_kv_cache_option(parser)
     parser.add_argument("--temperature", "-t", type=non_negative_float, default=0.0,
-                        help="0 (default): greedy, so that outputs can be checked token for token")
+                        help="0 (default): greedy, outputs checked token for token; above 0 sampled, outputs "
+                             "tested against the target's distribution")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ignore-eos", action="store_true", help="always generate the full token budget")
     parser.add_argument("--no-chat", action="store_true", help="do not wrap prompts in the chat template")

@@ -4,7 +4,10 @@ output      under greedy decoding the speculative output equals the target's own
             token for token. The one excuse is a numerical tie: a pass over several
             positions may round differently from a single-position step, so where the
             target's top two logits at the first differing position are within float
-            tolerance, the run is VALID (tie) and the margin is kept.
+            tolerance, the run is VALID (tie) and the margin is kept. Sampled output
+            must look drawn from the target's distribution: its tokens' randomised
+            probability integral transforms, under the target, must pass a test of
+            uniformity (see "sampled output" below).
 accounting  tokens = accepted + recovered + bonus + plain (the tokens of passes that
             checked no drafts), and target passes = rounds.
 physics     a target pass keeps at most the drafts it accepts plus one token of its own
@@ -124,6 +127,83 @@ def logit_margin(target, prompt_ids: Sequence[int], prefix: Sequence[int]) -> tu
     dtype = str(target.dtype).removeprefix("torch.")
     tolerance = _TIE_RTOL.get(dtype, _TIE_RTOL["float32"]) * max(1.0, abs(float(top[0])))
     return float(top[0] - top[1]), tolerance
+
+
+# ---------------------------------------------------------------- sampled output
+#
+# Sampled output cannot be compared token for token, but it can be checked against the
+# distribution it must follow. Rank the vocabulary by the target's probability at each
+# position; the randomised probability integral transform u = P(tokens ranked above x) +
+# V·p(x), with V uniform on [0, 1), is uniform on [0, 1) and independent of every earlier u
+# exactly when x was drawn from the target's distribution given the tokens before it.
+# Tokens drawn from another distribution (a draft's, an argmax, a mixture) pile up on one
+# side, and a Kolmogorov-Smirnov test of the u values against the uniform sees it.
+
+SAMPLED_ALPHA = 1e-4  # a sampled output is refused when its u values are this improbable under the target
+
+
+def target_probabilities(target, prompt_ids: Sequence[int], output_ids: Sequence[int], params,
+                         chunk: int = 64):
+    """[len(output_ids), vocab]: the target's warped distribution (sampling.probabilities) at each
+    output token, given the prompt and the output before it, in passes of at most `chunk` tokens."""
+    import torch
+
+    from verispec.sampling import probabilities
+
+    if not output_ids:
+        return torch.zeros(0, 0)
+    model, device = target.model, target.device
+    rows = []
+    with torch.inference_mode():
+        cache = model.new_cache(len(prompt_ids) + len(output_ids))
+        rows.append(model(torch.tensor([list(prompt_ids)], device=device), cache, last_only=True)[0])
+        inputs = list(output_ids[:-1])
+        for start in range(0, len(inputs), chunk):
+            rows.append(model(torch.tensor([inputs[start:start + chunk]], device=device), cache)[0])
+        return probabilities(torch.cat(rows).float().cpu(), params)
+
+
+def randomized_pit(probs, tokens: Sequence[int], generator) -> tuple[list[float], int]:
+    """(u for each token, how many tokens the distribution gives probability 0).
+
+    `probs` [len(tokens), vocab]; tokens of equal probability are ranked by id, so the
+    ranking is fixed before the token is seen, as the transform requires."""
+    import torch
+
+    x = torch.tensor(list(tokens), dtype=torch.long)[:, None]
+    px = probs.gather(1, x)
+    ids = torch.arange(probs.shape[1])[None, :]
+    above = (probs > px) | ((probs == px) & (ids < x))
+    before = (probs * above).sum(1, keepdim=True)
+    u = (before + torch.rand(px.shape, generator=generator) * px).clamp(0.0, 1.0)
+    return u[:, 0].tolist(), int((px == 0).sum())
+
+
+def uniformity_p_value(values: Sequence[float]) -> float:
+    """Kolmogorov-Smirnov p-value of `values` against the uniform on [0, 1]: the asymptotic
+    distribution with Stephens' correction for small samples (within a few percent of the
+    exact one from 5 values up)."""
+    n = len(values)
+    if n == 0:
+        return 1.0
+    ordered = sorted(values)
+    d = max(max((i + 1) / n - u, u - i / n) for i, u in enumerate(ordered))
+    lam = (math.sqrt(n) + 0.12 + 0.11 / math.sqrt(n)) * d
+    if lam < 0.2:
+        return 1.0  # the series below converges slowly here, to 1
+    p = 2 * sum((-1) ** (k - 1) * math.exp(-2 * k * k * lam * lam) for k in range(1, 101))
+    return min(1.0, max(0.0, p))
+
+
+def check_sampled_output(values: Sequence[float], impossible: int = 0, alpha: float = SAMPLED_ALPHA) -> Verdict:
+    """Sampled output against the target's distribution, from its u values (randomized_pit)."""
+    if impossible:
+        return Verdict(INVALID, f"sampled output has {impossible} token(s) the target gives probability 0")
+    p = uniformity_p_value(values)
+    what = f"{len(values)} sampled tokens against the target's distribution: KS p = {p:.3g}"
+    if p < alpha:
+        return Verdict(INVALID, f"{what} < {alpha:g}, not drawn from the target's distribution")
+    return Verdict(VALID, what)
 
 
 # ---------------------------------------------------------------- accounting

@@ -14,6 +14,7 @@ import resource
 import statistics
 import sys
 import time
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -21,10 +22,11 @@ import torch
 
 from verispec.errors import VerispecError
 from verispec.generate import encode_prompt, generate, make_proposer
-from verispec.lab.audit import (DEFAULT_SLACK, INVALID, VALID, Verdict, check_output, logit_margin, run_checks,
-                                worst)
+from verispec.lab.audit import (DEFAULT_SLACK, INVALID, VALID, Verdict, check_output, check_sampled_output,
+                                logit_margin, randomized_pit, run_checks, target_probabilities, worst)
 from verispec.lab.prompts import Prompt
 from verispec.lab.calibrate import machine_facts
+from verispec.sampling import SamplingParams
 from verispec.spec.draft_model import pair_vocab_limit
 
 WARMUP_TOKENS = 8
@@ -93,7 +95,7 @@ BASELINE_RUN = RunConfig(BASELINE)
 class BenchSettings:
     max_tokens: int = 64
     repeats: int = 1
-    temperature: float = 0.0  # greedy by default: only greedy output can be checked token for token
+    temperature: float = 0.0  # greedy by default; sampled output is checked against the target's distribution
     seed: int = 0
     chat: bool | None = None  # None: wrap prompts in the chat template when the model has one
     ignore_eos: bool = False
@@ -306,26 +308,36 @@ class Bench:
         result, passes = self.generate(prompt_ids, config, reference, self.settings.max_tokens, repeat)
         record = self._record(key, prompt_set, prompt, config, repeat, result, passes, started)
         baseline_tok_s = None
-        if is_baseline:
-            output = self.check_baseline(baselines[0] if baselines else None, result.token_ids)
-        else:
+        if not is_baseline:
             # against the median of this prompt's baselines so far: one slow baseline skews no ratio
             baseline_tok_s = statistics.median(b["tok_s"] for b in baselines)
             record["baseline_tok_s"] = baseline_tok_s
             record["speedup"] = record["tok_s"] / baseline_tok_s if baseline_tok_s else None
+        if self.settings.temperature > 0:
+            # sampled runs, the baseline's too (a control on the check), against the target's distribution
+            output, record["pit"] = self.check_sampled(key, prompt_ids, result.token_ids)
+        elif is_baseline:
+            output = self.check_baseline(baselines[0] if baselines else None, result.token_ids)
+        else:
             output = self.check_output(prompt_ids, same_repeat["token_ids"], result.token_ids)
         checks = run_checks(record, baseline_tok_s, output, self.settings.slack)
         record["audit"] = {**worst(checks.values()).to_dict(), **{k: v.to_dict() for k, v in checks.items()}}
         return record
 
+    def check_sampled(self, key: str, prompt_ids: list[int], got: list[int]) -> tuple[Verdict, list[float]]:
+        """A sampled output against the target's distribution, and its u values (audit.randomized_pit),
+        which the run's record keeps so that a configuration's runs can be tested together."""
+        params = SamplingParams(temperature=self.settings.temperature)
+        probs = target_probabilities(self.target, prompt_ids, got, params)
+        values, impossible = randomized_pit(probs, got, torch.Generator().manual_seed(zlib.crc32(key.encode())))
+        return check_sampled_output(values, impossible), [round(u, 5) for u in values]
+
     def check_output(self, prompt_ids: list[int], expected: list[int], got: list[int]) -> Verdict:
-        if self.settings.temperature > 0:
-            return Verdict(VALID, "sampled: output not compared token for token")
         return check_output(expected, got, lambda at: logit_margin(self.target, prompt_ids, expected[:at]))
 
     def check_baseline(self, first: dict | None, got: list[int]) -> Verdict:
         """Greedy decoding is deterministic: every repeat of a baseline must give the first one's tokens."""
-        if first is None or self.settings.temperature > 0:
+        if first is None:
             return Verdict(VALID, "")
         if first["token_ids"] != got:
             return Verdict(INVALID, "the greedy baseline is not deterministic: this repeat differs from the first")

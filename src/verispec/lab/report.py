@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from verispec.errors import VerispecError
-from verispec.lab.audit import DEFAULT_SLACK, TIE, VALID, Verdict, run_checks
+from verispec.lab.audit import DEFAULT_SLACK, TIE, VALID, Verdict, check_sampled_output, run_checks
 from verispec.lab.records import read_records
 
 SEED_COLUMNS = ["Draft length γ", "Baseline tok/s", "Speculative tok/s", "Speedup", "Acceptance"]
@@ -118,7 +118,7 @@ def _row(key: tuple, runs: list[dict], baselines: dict[tuple, float], slack: flo
     kept = [run for run, c in zip(runs, checks)
             if all(v.valid for v in c.values()) and baselines.get(_prompt_key(run))]
     row.excluded = len(runs) - len(kept)
-    row.verdict = _row_verdict(checks)
+    row.verdict = _row_verdict(checks, [run["pit"] for run in runs if run.get("pit") is not None])
 
     speeds: dict[tuple, list[float]] = {}
     for run in kept:
@@ -146,11 +146,15 @@ def _row(key: tuple, runs: list[dict], baselines: dict[tuple, float], slack: flo
     return row
 
 
-def _row_verdict(checks: list[dict[str, Verdict]]) -> Verdict:
+def _row_verdict(checks: list[dict[str, Verdict]], sampled: list[list[float]] | None = None) -> Verdict:
     """A wrong output or count fails the row. Timings above the physical bound fail it when they are
-    most of its runs (its median claims the impossible); a few are noise, left out and counted."""
+    most of its runs (its median claims the impossible); a few are noise, left out and counted.
+    `sampled`: the u values of each sampled run, tested together too (more tokens, more power)."""
     n = len(checks)
     wrong = [v for c in checks for v in (c["output"], c["accounting"]) if not v.valid]
+    pooled = check_sampled_output([u for values in sampled for u in values]) if sampled else None
+    if pooled is not None and not wrong and not pooled.valid:
+        return Verdict(pooled.status, f"the row's runs together: {pooled.reason}")
     if wrong:
         runs = sum(not (c["output"].valid and c["accounting"].valid) for c in checks)
         return Verdict(wrong[0].status, f"{runs} of {n} run(s) wrong, left out: {wrong[0].reason}", wrong[0].margin)
@@ -163,6 +167,8 @@ def _row_verdict(checks: list[dict[str, Verdict]]) -> Verdict:
     if ties:
         return Verdict(TIE, f"{len(ties)} of {n} run(s) differ from the target alone only at a logit tie{note}",
                        min(v.margin for v in ties))
+    if pooled is not None:
+        return Verdict(VALID, f"all {n} run(s) follow the target's distribution; together, {pooled.reason}{note}")
     return Verdict(VALID, f"all {n} run(s) match the target alone{note}")
 
 
@@ -290,7 +296,7 @@ def markdown(rows: list[Row], records: list[dict], source: str = "") -> str:
              f"{machine_line(records)}. {len(records)} runs{f' from `{source}`' if source else ''}. "
              f"Speedup: median over prompts of (median speculative tok/s / median tok/s of the target alone), "
              f"with min–max; runs that fail an audit are left out. Greedy outputs are checked token for token "
-             f"against the target alone.", ""]
+             f"against the target alone, sampled ones against the target's distribution.", ""]
     for group in _grouped(rows).values():
         lines += [f"## {_group_title(group[0])}", "",
                   "| " + " | ".join(headers) + " |",
