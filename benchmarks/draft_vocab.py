@@ -16,7 +16,10 @@ change in machine load hits them alike. Speed-up = plain decoding time / specula
 decoding time; c = draft seconds per drafted token / target seconds per plain step.
 With --adaptive the speculative runs choose γ as `--adaptive` does (up to --gamma or 16),
 seeing the cheaper draft steps. Every speculative run is audited: its tokens must equal the
-plain runs' (VALID).
+plain runs' (VALID). With --temperature the runs sample (seed --seed + the prompt's index),
+speed-ups compare time per token, and each way's tokens, the plain runs' too, are tested
+together against the target's distribution (the audit's randomised PIT and KS test): VALID
+when p >= 1e-4.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import sys
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 
 from perf_common import add_pair_arguments, load_pair, save
+from verispec.lab.audit import SAMPLED_ALPHA, uniformity_p_value
 from speedup import spec_bench_categories
 
 
@@ -34,6 +38,20 @@ def run(target, prompt: str, tokens: int, **options):
     from verispec.generate import generate
 
     return generate(target, prompt, chat=True, max_tokens=tokens, **options)
+
+
+def sampled_u_values(target, prompt_ids: list[int], token_ids: list[int], temperature: float,
+                     seed: int) -> list[float]:
+    """The u values of a sampled run's tokens under the target (lab.audit.randomized_pit), their V drawn
+    from another stream than the run's own draws (`seed` is the run's)."""
+    import torch
+
+    from verispec.lab.audit import randomized_pit, target_probabilities
+    from verispec.sampling import SamplingParams
+
+    probs = target_probabilities(target, prompt_ids, token_ids, SamplingParams(temperature))
+    values, impossible = randomized_pit(probs, token_ids, torch.Generator().manual_seed(seed + 2**32))
+    return values + [-1.0] * impossible  # a token of probability 0 lies outside [0, 1]: it fails the test
 
 
 def ways_of(limits: list[int], alone: bool = True) -> dict[str, tuple[int | None, bool]]:
@@ -48,30 +66,49 @@ def ways_of(limits: list[int], alone: bool = True) -> dict[str, tuple[int | None
 
 
 def compare(target, draft, prompts, ways: dict[str, tuple[int | None, bool]], gamma: int, tokens: int,
-            adaptive: bool = False) -> dict:
-    """Per way (ways_of): plain and speculative seconds, drafts kept, draft seconds, validity."""
+            adaptive: bool = False, temperature: float = 0.0, seed: int = 0) -> dict:
+    """Per way (ways_of): plain and speculative seconds and tokens, drafts kept, draft seconds,
+    validity; sampled, also each way's and the plain runs' u values (sampled_u_values)."""
+    from verispec.generate import encode_prompt
     from verispec.spec.draft_model import DraftModelProposer
 
     totals = {way: {"plain_s": 0.0, "spec_s": 0.0, "accepted": 0, "drafted": 0, "draft_s": 0.0,
-                    "plain_steps": 0, "valid": True} for way in ways}
-    for prompt in prompts:
-        before = run(target, prompt.text, tokens)
+                    "plain_steps": 0, "spec_steps": 0, "valid": True, "u": []} for way in ways}
+    plain_u: list[float] = []
+    for index, prompt in enumerate(prompts):
+        sampling = {"temperature": temperature, "seed": seed + index}
+        before = run(target, prompt.text, tokens, **sampling)
         specs = {way: run(target, prompt.text, tokens, gamma=gamma, adaptive="cost" if adaptive else False,
-                          draft=DraftModelProposer(draft, vocab_limit=limit, context_ids=context))
+                          draft=DraftModelProposer(draft, vocab_limit=limit, context_ids=context), **sampling)
                  for way, (limit, context) in ways.items()}
-        after = run(target, prompt.text, tokens)
+        after = run(target, prompt.text, tokens, **sampling)
         plain_s = (before.timings.decode_s + after.timings.decode_s) / 2
+        if temperature > 0:  # after the timed runs: the audit's passes cost as much as a prefill each
+            prompt_ids = encode_prompt(target.tokenizer, prompt.text, chat=True)
+            plain_u += sampled_u_values(target, prompt_ids, before.token_ids, temperature, seed + index)
         for way, spec in specs.items():
             entry = totals[way]
             entry["plain_s"] += plain_s
             entry["plain_steps"] += len(before.token_ids) - 1
             entry["spec_s"] += spec.timings.decode_s
+            entry["spec_steps"] += len(spec.token_ids) - 1
             entry["accepted"] += spec.spec.accepted
             entry["drafted"] += spec.spec.drafted
             entry["draft_s"] += spec.spec.draft_s
-            entry["valid"] &= spec.token_ids == before.token_ids == after.token_ids
+            if temperature > 0:
+                entry["u"] += sampled_u_values(target, prompt_ids, spec.token_ids, temperature, seed + index)
+            else:
+                entry["valid"] &= spec.token_ids == before.token_ids == after.token_ids
     for entry in totals.values():
-        entry["speedup"] = entry["plain_s"] / entry["spec_s"]
+        if temperature > 0:
+            entry["ks_p"] = uniformity_p_value(entry.pop("u"))
+            entry["plain_ks_p"] = uniformity_p_value(plain_u)
+            entry["valid"] = min(entry["ks_p"], entry["plain_ks_p"]) >= SAMPLED_ALPHA
+        else:
+            del entry["u"]
+        # time per token: sampled runs differ in length (greedy ones do not)
+        entry["speedup"] = (entry["plain_s"] / max(1, entry["plain_steps"])) / (
+            entry["spec_s"] / max(1, entry["spec_steps"]))
         entry["acceptance"] = entry["accepted"] / max(1, entry["drafted"])
         step = entry["plain_s"] / max(1, entry["plain_steps"])
         entry["c"] = entry["draft_s"] / max(1, entry["drafted"]) / step
@@ -88,6 +125,9 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--adaptive", action="store_true", help="speculative runs with --adaptive (cost-aware γ)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample at this temperature, audited against the target's distribution")
+    parser.add_argument("--seed", type=int, default=0, help="the first prompt's seed when sampling")
     parser.add_argument("--with-context-only", action="store_true",
                         help="compare the whole vocabulary with each limit and the context's ids only")
     args = parser.parse_args()
@@ -95,15 +135,19 @@ def main() -> int:
     from verispec.lab.prompts import load_prompts
 
     details = f"{'--adaptive, ' if args.adaptive else ''}γ = {args.gamma}, {args.tokens} tokens"
+    if args.temperature > 0:
+        details += f", sampled at temperature {args.temperature} (seed {args.seed} + prompt)"
     target, draft, record = load_pair(args, "draft vocabulary", details)
-    record.update(gamma=args.gamma, tokens=args.tokens, adaptive=args.adaptive, categories={})
+    record.update(gamma=args.gamma, tokens=args.tokens, adaptive=args.adaptive, temperature=args.temperature,
+                  seed=args.seed, categories={})
     ways = ways_of(args.limits, alone=not args.with_context_only)
     if args.categories == ["all"]:
         args.categories = spec_bench_categories()
     all_valid, ratios = True, {}
     for category in args.categories:
         prompts = load_prompts(f"spec-bench:{category}", limit=args.prompts)
-        results = compare(target, draft, prompts, ways, args.gamma, args.tokens, args.adaptive)
+        results = compare(target, draft, prompts, ways, args.gamma, args.tokens, args.adaptive,
+                          args.temperature, args.seed)
         record["categories"][category] = results
         whole = results["whole"]
         for way, r in results.items():
@@ -112,11 +156,14 @@ def main() -> int:
             gain = "" if way == "whole" else f"  ({r['speedup'] / whole['speedup']:.3f}x the whole vocabulary's)"
             limit, context = ways[way]
             label = "whole vocabulary" if limit is None else f"first {limit:,} {'and context' if context else 'only'}"
+            audit = f" (KS p = {r['ks_p']:.2g}, plain {r['plain_ks_p']:.2g})" if "ks_p" in r else ""
             print(f"  {category:>15} {label:>24}: speed-up {r['speedup']:.2f}x, acceptance {r['acceptance']:.1%}, "
-                  f"c = {r['c']:.3f}, {'VALID' if r['valid'] else 'INVALID'}{gain}")
-    history = {"gamma": args.gamma, "adaptive": args.adaptive, "prompts": args.prompts, "all_valid": all_valid,
+                  f"c = {r['c']:.3f}, {'VALID' if r['valid'] else 'INVALID'}{audit}{gain}")
+    history = {"gamma": args.gamma, "adaptive": args.adaptive, "temperature": args.temperature,
+               "prompts": args.prompts, "all_valid": all_valid,
                "ratio_to_whole": {way: r for way, r in ratios.items() if way != "whole"}}
-    save("draft_vocab_adaptive" if args.adaptive else "draft_vocab", record, history)
+    name = "draft_vocab_adaptive" if args.adaptive else "draft_vocab"
+    save(name + ("_sampled" if args.temperature > 0 else ""), record, history)
     return 0 if all_valid else 1
 
 

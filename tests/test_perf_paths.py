@@ -1249,3 +1249,22 @@ def test_draft_vocab_compares_each_limit_with_and_without_the_contexts_ids(folde
     assert all(way["valid"] for way in totals.values())
     whole, only, context = (totals[w]["acceptance"] for w in ("whole", f"{limit} only", f"{limit} and context"))
     assert only < context <= whole == 1.0
+
+
+def test_draft_vocab_audits_sampled_runs_by_their_distribution(folder, monkeypatch):
+    """benchmarks/draft_vocab.py --temperature: runs sample, and each way's tokens (the plain runs'
+    too) are tested against the target's distribution instead of compared token for token."""
+    import importlib
+
+    from verispec.lab.prompts import Prompt
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    draft_vocab = importlib.import_module("draft_vocab")
+    target = load_model(folder)
+    prompts = [Prompt("cat", "test", "the cat sat on the mat."), Prompt("dog", "test", "a dog ran after the cat")]
+    totals = draft_vocab.compare(target, target, prompts, draft_vocab.ways_of([64]), gamma=4, tokens=32,
+                                 temperature=0.8, seed=3)
+    for way in totals.values():
+        assert way["valid"] and way["ks_p"] >= 1e-4 and way["plain_ks_p"] >= 1e-4
+        assert way["spec_steps"] > 0 and way["speedup"] > 0 and "u" not in way
+    assert totals["whole"]["acceptance"] == 1.0  # the target as its own draft: every draft kept
