@@ -42,15 +42,12 @@ def run(target, prompt: str, tokens: int, **options):
 
 def sampled_u_values(target, prompt_ids: list[int], token_ids: list[int], temperature: float,
                      seed: int) -> list[float]:
-    """The u values of a sampled run's tokens under the target (lab.audit.randomized_pit), their V drawn
-    from another stream than the run's own draws (`seed` is the run's)."""
-    import torch
-
-    from verispec.lab.audit import randomized_pit, target_probabilities
+    """The u values of a sampled run's tokens under the target (lab.audit.output_pit); `seed` is
+    the run's own."""
+    from verispec.lab.audit import output_pit
     from verispec.sampling import SamplingParams
 
-    probs = target_probabilities(target, prompt_ids, token_ids, SamplingParams(temperature))
-    values, impossible = randomized_pit(probs, token_ids, torch.Generator().manual_seed(seed + 2**32))
+    values, impossible = output_pit(target, prompt_ids, token_ids, SamplingParams(temperature), seed + 2**32)
     return values + [-1.0] * impossible  # a token of probability 0 lies outside [0, 1]: it fails the test
 
 

@@ -1268,3 +1268,24 @@ def test_draft_vocab_audits_sampled_runs_by_their_distribution(folder, monkeypat
         assert way["valid"] and way["ks_p"] >= 1e-4 and way["plain_ks_p"] >= 1e-4
         assert way["spec_steps"] > 0 and way["speedup"] > 0 and "u" not in way
     assert totals["whole"]["acceptance"] == 1.0  # the target as its own draft: every draft kept
+
+
+def test_sampled_audit_passes_lossless_sampling_and_refuses_a_verifier_that_keeps_every_draft(folder, tmp_path,
+                                                                                             monkeypatch):
+    """benchmarks/sampled_audit.py on tiny models: the draft is another random model, far from the target."""
+    import importlib
+
+    from verispec.lab.prompts import Prompt
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    sampled_audit = importlib.import_module("sampled_audit")
+    tiny.save_hf_model(tmp_path, "qwen2", seed=11)
+    target, draft = load_model(folder), load_model(tmp_path)
+    prompts = [Prompt("cat", "test", "the cat sat on the mat."), Prompt("dog", "test", "a dog ran after the cat")]
+    lossless = sampled_audit.audit_prompts(target, draft, prompts, gamma=4, tokens=48, temperature=0.5)
+    with sampled_audit.keeping_every_draft():
+        broken = sampled_audit.audit_prompts(target, draft, prompts, gamma=4, tokens=48, temperature=0.5)
+    assert lossless["p_together"] >= 1e-4 and min(lossless["p_per_run"]) >= 1e-4
+    assert broken["p_together"] < 1e-4 and broken["acceptance"] == 1.0
+    lossless_again = sampled_audit.audit_prompts(target, draft, prompts, gamma=4, tokens=48, temperature=0.5)
+    assert lossless_again == lossless  # the block put the lossless verifier back; seeds make runs repeat

@@ -179,6 +179,17 @@ def randomized_pit(probs, tokens: Sequence[int], generator) -> tuple[list[float]
     return u[:, 0].tolist(), int((px == 0).sum())
 
 
+def output_pit(target, prompt_ids: Sequence[int], output_ids: Sequence[int], params,
+               seed: int) -> tuple[list[float], int]:
+    """randomized_pit of an output under the target's distribution (target_probabilities), V drawn
+    from `seed`: keep it apart from the seed the output was sampled with, or V and the draws
+    may share their stream."""
+    import torch
+
+    probs = target_probabilities(target, prompt_ids, output_ids, params)
+    return randomized_pit(probs, output_ids, torch.Generator().manual_seed(seed))
+
+
 def uniformity_p_value(values: Sequence[float]) -> float:
     """Kolmogorov-Smirnov p-value of `values` against the uniform on [0, 1]: the asymptotic
     distribution with Stephens' correction for small samples (within a few percent of the

@@ -23,7 +23,7 @@ import torch
 from verispec.errors import VerispecError
 from verispec.generate import encode_prompt, generate, make_proposer
 from verispec.lab.audit import (DEFAULT_SLACK, INVALID, VALID, Verdict, check_output, check_sampled_output,
-                                logit_margin, randomized_pit, run_checks, target_probabilities, worst)
+                                logit_margin, output_pit, run_checks, worst)
 from verispec.lab.prompts import Prompt
 from verispec.lab.calibrate import machine_facts
 from verispec.sampling import SamplingParams
@@ -328,8 +328,7 @@ class Bench:
         """A sampled output against the target's distribution, and its u values (audit.randomized_pit),
         which the run's record keeps so that a configuration's runs can be tested together."""
         params = SamplingParams(temperature=self.settings.temperature)
-        probs = target_probabilities(self.target, prompt_ids, got, params)
-        values, impossible = randomized_pit(probs, got, torch.Generator().manual_seed(zlib.crc32(key.encode())))
+        values, impossible = output_pit(self.target, prompt_ids, got, params, zlib.crc32(key.encode()))
         return check_sampled_output(values, impossible), [round(u, 5) for u in values]
 
     def check_output(self, prompt_ids: list[int], expected: list[int], got: list[int]) -> Verdict:

@@ -1,0 +1,122 @@
+"""How well the audit of sampled output tells a lossless sampler from a broken one, on the demo pair.
+
+    python benchmarks/sampled_audit.py                          # coding, writing, translation; T = 0.7
+    python benchmarks/sampled_audit.py --categories all --prompts 5 --temperature 1.0
+
+Sampled output cannot be compared with the target-only output token for token; the audit
+(`verispec.lab.audit`) tests it against the target's distribution instead: each token's
+randomised probability integral transform under the target, teacher-forced, must look
+uniform (Kolmogorov-Smirnov), per run and for a configuration's runs together, and the audit
+refuses p < 1e-4. For each prompt this samples speculative decoding twice: with verispec's
+verifier, and with a broken one that keeps every draft, so that the draft's distribution is
+emitted where the target's is owed (the kind of error that makes speculation look fast). The
+lossless runs should pass; the broken runs show how many tokens the audit needs, on real
+models, to see a draft that is close to the target (coding) or far from it (prose).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+
+import verispec  # noqa: F401  (first: it sets how torch's threads wait)
+
+from perf_common import add_pair_arguments, load_pair, save
+from speedup import spec_bench_categories
+
+
+@contextlib.contextmanager
+def keeping_every_draft():
+    """Decoding, within the block, with a verifier that accepts every draft and adds a token of the
+    target's after them: the output then follows the draft's distribution wherever it drafted."""
+    from verispec import generate as engine
+    from verispec.sampling import next_token
+    from verispec.spec.verifier import Verdict
+
+    honest = engine.verify_sampling
+
+    def trusting(logits, drafts, draft_probs, params, generator):
+        if not drafts:  # a plain step samples the target as it should
+            return honest(logits, drafts, draft_probs, params, generator)
+        return Verdict(len(drafts), next_token(logits[len(drafts)], params, generator), bonus=True)
+
+    engine.verify_sampling = trusting
+    try:
+        yield
+    finally:
+        engine.verify_sampling = honest
+
+
+def audit_prompts(target, draft, prompts, gamma: int, tokens: int, temperature: float, seed: int = 0) -> dict:
+    """Sample each prompt speculatively (seed + its index) and test the tokens against the target:
+    each run's p-value, all runs' p-value together, tokens and the drafts' acceptance."""
+    from verispec.generate import encode_prompt, generate
+    from verispec.lab.audit import output_pit, uniformity_p_value
+    from verispec.sampling import SamplingParams
+
+    pooled, per_run, accepted, drafted = [], [], 0, 0
+    for index, prompt in enumerate(prompts):
+        result = generate(target, prompt.text, chat=True, draft=draft, gamma=gamma, max_tokens=tokens,
+                          temperature=temperature, seed=seed + index)
+        prompt_ids = encode_prompt(target.tokenizer, prompt.text, True)
+        values, impossible = output_pit(target, prompt_ids, result.token_ids, SamplingParams(temperature),
+                                        seed + index + 2**32)
+        values += [-1.0] * impossible  # outside [0, 1]: a token of probability 0 fails the test
+        per_run.append(uniformity_p_value(values))
+        pooled += values
+        accepted, drafted = accepted + result.spec.accepted, drafted + result.spec.drafted
+    return {"tokens": len(pooled), "p_per_run": per_run, "p_together": uniformity_p_value(pooled),
+            "acceptance": accepted / max(1, drafted)}
+
+
+def main() -> int:
+    from verispec.lab.audit import SAMPLED_ALPHA
+    from verispec.lab.prompts import load_prompts
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_pair_arguments(parser)
+    parser.add_argument("--categories", nargs="+", default=["coding", "writing", "translation"],
+                        help="Spec-Bench categories, or all of them: all")
+    parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
+    parser.add_argument("--gamma", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.temperature <= 0:
+        parser.error("--temperature must be above 0: greedy output is audited token for token")
+    if args.categories == ["all"]:
+        args.categories = spec_bench_categories()
+
+    details = f"γ = {args.gamma}, {args.tokens} tokens, temperature {args.temperature}, {args.prompts} prompts"
+    target, draft, record = load_pair(args, "sampled-output audit", details)
+    record.update(gamma=args.gamma, tokens=args.tokens, temperature=args.temperature, categories={})
+    lossless_pass, broken_refused = True, 0
+    for category in args.categories:
+        prompts = load_prompts(f"spec-bench:{category}", limit=args.prompts)
+        results = {"lossless": audit_prompts(target, draft, prompts, args.gamma, args.tokens, args.temperature,
+                                             args.seed)}
+        with keeping_every_draft():
+            results["keeps every draft"] = audit_prompts(target, draft, prompts, args.gamma, args.tokens,
+                                                         args.temperature, args.seed)
+        record["categories"][category] = results
+        for way, r in results.items():
+            refused = r["p_together"] < SAMPLED_ALPHA or min(r["p_per_run"]) < SAMPLED_ALPHA
+            if way == "lossless":
+                lossless_pass &= not refused
+            else:
+                broken_refused += refused
+            per_run = ", ".join(f"{p:.2g}" for p in r["p_per_run"])
+            print(f"  {category:>15} {way:>17}: {r['tokens']} tokens, acceptance {r['acceptance']:.1%}, "
+                  f"p per run {per_run}, together {r['p_together']:.2g}: {'REFUSED' if refused else 'passed'}")
+    print(f"lossless sampling passed in every category: {'yes' if lossless_pass else 'NO'}; "
+          f"the broken verifier refused in {broken_refused} of {len(args.categories)} categories")
+    save("sampled_audit", record, {"temperature": args.temperature, "prompts": args.prompts,
+                                   "lossless_pass": lossless_pass, "broken_refused": broken_refused,
+                                   "categories": len(args.categories)})
+    return 0 if lossless_pass else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
