@@ -6,12 +6,14 @@
 Sampled output cannot be compared with the target-only output token for token; the audit
 (`verispec.lab.audit`) tests it against the target's distribution instead: each token's
 randomised probability integral transform under the target, teacher-forced, must look
-uniform (Kolmogorov-Smirnov), per run and for a configuration's runs together, and the audit
-refuses p < 1e-4. For each prompt this samples speculative decoding twice: with verispec's
-verifier, and with a broken one that keeps every draft, so that the draft's distribution is
-emitted where the target's is owed (the kind of error that makes speculation look fast). The
-lossless runs should pass; the broken runs show how many tokens the audit needs, on real
-models, to see a draft that is close to the target (coding) or far from it (prose).
+uniform (Kolmogorov-Smirnov), and a martingale that grows when the tokens lean towards the
+draft's distribution must stay small (Ville's inequality), per run and for a configuration's
+runs together; the audit refuses either at p < 5e-5. For each prompt this samples
+speculative decoding twice: with verispec's verifier, and with a broken one that keeps every
+draft, so that the draft's distribution is emitted where the target's is owed (the kind of
+error that makes speculation look fast). The lossless runs should pass; the broken runs show
+how many tokens the audit needs, on real models, to see a draft that is close to the target
+(coding) or far from it (prose).
 """
 
 from __future__ import annotations
@@ -49,29 +51,30 @@ def keeping_every_draft():
 
 
 def audit_prompts(target, draft, prompts, gamma: int, tokens: int, temperature: float, seed: int = 0) -> dict:
-    """Sample each prompt speculatively (seed + its index) and test the tokens against the target:
-    each run's p-value, all runs' p-value together, tokens and the drafts' acceptance."""
+    """Sample each prompt speculatively (seed + its index) and test the tokens against the target,
+    the draft as the alternative: each test's p-value per run and for all runs together, whether
+    the audit refuses them, tokens and the drafts' acceptance."""
     from verispec.generate import encode_prompt, generate
-    from verispec.lab.audit import output_pit, uniformity_p_value
+    from verispec.lab.audit import check_sampled_output, sampled_evidence, sampled_p_values
     from verispec.sampling import SamplingParams
 
-    pooled, per_run, accepted, drafted = [], [], 0, 0
+    evidence, accepted, drafted = [], 0, 0
     for index, prompt in enumerate(prompts):
         result = generate(target, prompt.text, chat=True, draft=draft, gamma=gamma, max_tokens=tokens,
                           temperature=temperature, seed=seed + index)
         prompt_ids = encode_prompt(target.tokenizer, prompt.text, True)
-        values, impossible = output_pit(target, prompt_ids, result.token_ids, SamplingParams(temperature),
-                                        seed + index + 2**32)
-        values += [-1.0] * impossible  # outside [0, 1]: a token of probability 0 fails the test
-        per_run.append(uniformity_p_value(values))
-        pooled += values
+        evidence.append(sampled_evidence(target, prompt_ids, result.token_ids, SamplingParams(temperature),
+                                         seed + index + 2**32, draft))
         accepted, drafted = accepted + result.spec.accepted, drafted + result.spec.drafted
-    return {"tokens": len(pooled), "p_per_run": per_run, "p_together": uniformity_p_value(pooled),
-            "acceptance": accepted / max(1, drafted)}
+    per_run = [sampled_p_values([e]) for e in evidence]
+    return {"tokens": sum(len(e.u) for e in evidence), "acceptance": accepted / max(1, drafted),
+            "p_per_run": {name: [p[name] for p in per_run] for name in per_run[0]},
+            "p_together": sampled_p_values(evidence),
+            "refused": not (check_sampled_output(evidence).valid and all(check_sampled_output(e).valid
+                                                                         for e in evidence))}
 
 
 def main() -> int:
-    from verispec.lab.audit import SAMPLED_ALPHA
     from verispec.lab.prompts import load_prompts
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -102,14 +105,14 @@ def main() -> int:
                                                          args.temperature, args.seed)
         record["categories"][category] = results
         for way, r in results.items():
-            refused = r["p_together"] < SAMPLED_ALPHA or min(r["p_per_run"]) < SAMPLED_ALPHA
             if way == "lossless":
-                lossless_pass &= not refused
+                lossless_pass &= not r["refused"]
             else:
-                broken_refused += refused
-            per_run = ", ".join(f"{p:.2g}" for p in r["p_per_run"])
-            print(f"  {category:>15} {way:>17}: {r['tokens']} tokens, acceptance {r['acceptance']:.1%}, "
-                  f"p per run {per_run}, together {r['p_together']:.2g}: {'REFUSED' if refused else 'passed'}")
+                broken_refused += r["refused"]
+            tests = "; ".join(f"{name} p per run {', '.join(f'{p:.2g}' for p in r['p_per_run'][name])}, "
+                              f"together {r['p_together'][name]:.2g}" for name in r["p_together"])
+            print(f"  {category:>15} {way:>17}: {r['tokens']} tokens, acceptance {r['acceptance']:.1%}, {tests}: "
+                  f"{'REFUSED' if r['refused'] else 'passed'}")
     print(f"lossless sampling passed in every category: {'yes' if lossless_pass else 'NO'}; "
           f"the broken verifier refused in {broken_refused} of {len(args.categories)} categories")
     save("sampled_audit", record, {"temperature": args.temperature, "prompts": args.prompts,

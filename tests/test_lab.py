@@ -232,24 +232,44 @@ def test_randomized_pit_passes_draws_from_the_distribution_only():
     drawn = torch.multinomial(probs, 1, generator=gen)[:, 0].tolist()
     values, impossible = audit.randomized_pit(probs, drawn, gen)
     assert impossible == 0 and min(values) >= 0 and max(values) <= 1
-    assert audit.check_sampled_output(values).valid
+    assert audit.check_sampled_output(audit.SampledEvidence(values)).valid
     other = torch.softmax(2 * torch.randn(2000, 50, generator=gen), -1)  # another model's distribution
     for tokens in (probs.argmax(-1).tolist(), torch.multinomial(other, 1, generator=gen)[:, 0].tolist()):
-        verdict = audit.check_sampled_output(audit.randomized_pit(probs, tokens, gen)[0])
+        verdict = audit.check_sampled_output(audit.SampledEvidence(audit.randomized_pit(probs, tokens, gen)[0]))
         assert verdict.status == audit.INVALID and "not drawn from the target's distribution" in verdict.reason
     cut = probs.clone()
     cut[0, drawn[0]] = 0.0  # a token the distribution cannot give (outside top-k, say)
     values, impossible = audit.randomized_pit(cut, drawn, gen)
-    assert impossible == 1 and "probability 0" in audit.check_sampled_output(values, impossible).reason
+    assert impossible == 1 and "probability 0" in audit.check_sampled_output(audit.SampledEvidence(values, 1)).reason
 
 
-def test_target_probabilities_follow_the_decoding_steps(loaded):
+def test_the_draft_lean_martingale_holds_its_level_and_grows_on_tokens_that_lean_towards_the_draft():
+    """Under the target's distribution the p-value from Ville's inequality is at most its level
+    as often as the level says; tokens from the draft, or from a mix of 3 parts target and 1
+    part draft, drive it to nothing. The draft's vocabulary may be wider or narrower."""
+    gen = torch.Generator().manual_seed(1)
+    p = torch.softmax(torch.randn(400, 30, 20, generator=gen), -1)  # 400 outputs of 30 tokens
+    q = torch.softmax(torch.randn(400, 30, 20, generator=gen), -1)
+    null = [audit.draft_lean_p_value([audit.draft_lean_logs(p[i], q[i], torch.multinomial(p[i], 1, generator=gen)[:, 0]
+                                                            .tolist())]) for i in range(400)]
+    assert sum(v < 0.1 for v in null) <= 0.1 * 400 + 3 * (0.09 * 400) ** 0.5 and max(null) <= 1.0
+    rows = p.reshape(-1, 20)[:2000], q.reshape(-1, 20)[:2000]
+    for source in (rows[1], 0.75 * rows[0] + 0.25 * rows[1]):
+        tokens = torch.multinomial(source, 1, generator=gen)[:, 0].tolist()
+        assert audit.draft_lean_p_value([audit.draft_lean_logs(*rows, tokens)]) < 1e-6
+    wider = torch.cat([rows[1], torch.full((2000, 5), 0.1)], 1)  # padding rows the target lacks
+    tokens = torch.multinomial(rows[1], 1, generator=gen)[:, 0].tolist()
+    assert audit.draft_lean_logs(rows[0], wider, tokens) == audit.draft_lean_logs(rows[0], rows[1], tokens)
+    assert len(audit.draft_lean_logs(rows[0], rows[1][:, :15], tokens)) == len(audit.DRAFT_WEIGHTS)
+
+
+def test_model_probabilities_follow_the_decoding_steps(loaded):
     """The audit's teacher-forced passes give the distributions the sampler drew from, position by position."""
     from verispec.sampling import SamplingParams, probabilities
 
     target, params = loaded["target"], SamplingParams(temperature=0.7, top_k=40)
     prompt, output = list(range(5, 25)), list(range(30, 100))
-    got = audit.target_probabilities(target, prompt, output, params, chunk=16)
+    got = audit.model_probabilities(target, prompt, output, params, chunk=16)
     assert got.shape == (len(output), tiny.VOCAB)
     with torch.inference_mode():
         cache = target.model.new_cache(len(prompt) + len(output))
@@ -268,7 +288,10 @@ def sampled_bench(loaded, proposer: str) -> list[dict]:
 def test_sampled_runs_are_checked_against_the_target_distribution(loaded):
     records = sampled_bench(loaded, "other")
     assert all(r["audit"]["output"]["status"] == audit.VALID and "KS p" in r["audit"]["output"]["reason"]
-               and len(r["pit"]) == r["completion_tokens"] for r in records)  # the baselines too
+               and len(r["sampled"]["u"]) == r["completion_tokens"] for r in records)  # the baselines too
+    drafted = [r for r in records if r["spec"]]
+    assert drafted and all(len(r["sampled"]["draft_lean"]) == len(audit.DRAFT_WEIGHTS)
+                           and "towards the draft p" in r["audit"]["output"]["reason"] for r in drafted)
     assert all(r["speedup"] == pytest.approx(r["tok_s"] / r["baseline_tok_s"]) for r in records if r["spec"])
     row = report.summarize(records)[0]
     assert row.verdict.status == audit.VALID and "follow the target's distribution" in row.verdict.reason

@@ -132,19 +132,27 @@ def logit_margin(target, prompt_ids: Sequence[int], prefix: Sequence[int]) -> tu
 # ---------------------------------------------------------------- sampled output
 #
 # Sampled output cannot be compared token for token, but it can be checked against the
-# distribution it must follow. Rank the vocabulary by the target's probability at each
-# position; the randomised probability integral transform u = P(tokens ranked above x) +
-# V·p(x), with V uniform on [0, 1), is uniform on [0, 1) and independent of every earlier u
-# exactly when x was drawn from the target's distribution given the tokens before it.
-# Tokens drawn from another distribution (a draft's, an argmax, a mixture) pile up on one
-# side, and a Kolmogorov-Smirnov test of the u values against the uniform sees it.
+# distribution it must follow, in two ways, each at half the audit's significance level:
+#
+# - Any departure. Rank the vocabulary by the target's probability at each position; the
+#   randomised probability integral transform u = P(tokens ranked above x) + V·p(x), with V
+#   uniform on [0, 1), is uniform on [0, 1) and independent of every earlier u exactly when x
+#   was drawn from the target's distribution given the tokens before it. Tokens drawn from
+#   another distribution pile up on one side, which a Kolmogorov-Smirnov test sees.
+# - A lean towards the draft, the way a broken verifier errs. With q the draft's distribution
+#   at each position, the product over tokens of ((1 - w)·p(x) + w·q(x)) / p(x) is a
+#   nonnegative martingale of mean 1 when the tokens follow p, for every weight w: so is the
+#   mean of the products over a few weights, and by Ville's inequality it exceeds 1/α with
+#   probability at most α, at any number of tokens. Tokens that lean towards q make it grow
+#   geometrically, far faster than the KS test gains power.
 
-SAMPLED_ALPHA = 1e-4  # a sampled output is refused when its u values are this improbable under the target
+SAMPLED_ALPHA = 1e-4  # a sampled output is refused when the target's distribution makes it this improbable
+DRAFT_WEIGHTS = (0.25, 0.5, 1.0)  # the weights w of the draft in the martingales' alternatives
 
 
-def target_probabilities(target, prompt_ids: Sequence[int], output_ids: Sequence[int], params,
-                         chunk: int = 64):
-    """[len(output_ids), vocab]: the target's warped distribution (sampling.probabilities) at each
+def model_probabilities(loaded, prompt_ids: Sequence[int], output_ids: Sequence[int], params,
+                        chunk: int = 64):
+    """[len(output_ids), vocab]: a model's warped distribution (sampling.probabilities) at each
     output token, given the prompt and the output before it, in passes of at most `chunk` tokens."""
     import torch
 
@@ -152,7 +160,7 @@ def target_probabilities(target, prompt_ids: Sequence[int], output_ids: Sequence
 
     if not output_ids:
         return torch.zeros(0, 0)
-    model, device = target.model, target.device
+    model, device = loaded.model, loaded.device
     rows = []
     with torch.inference_mode():
         cache = model.new_cache(len(prompt_ids) + len(output_ids))
@@ -179,15 +187,50 @@ def randomized_pit(probs, tokens: Sequence[int], generator) -> tuple[list[float]
     return u[:, 0].tolist(), int((px == 0).sum())
 
 
-def output_pit(target, prompt_ids: Sequence[int], output_ids: Sequence[int], params,
-               seed: int) -> tuple[list[float], int]:
-    """randomized_pit of an output under the target's distribution (target_probabilities), V drawn
-    from `seed`: keep it apart from the seed the output was sampled with, or V and the draws
-    may share their stream."""
+def draft_lean_logs(p, q, tokens: Sequence[int]) -> list[float]:
+    """For each weight w of DRAFT_WEIGHTS, log of the product over tokens of ((1 - w)·p + w·q) / p at
+    the token: p the target's [len(tokens), vocab], q the draft's (its vocabulary cut or padded to
+    the target's; a sub-distribution keeps the martingale's mean at most 1). Tokens the target
+    gives probability 0 are left out: randomized_pit counts them."""
     import torch
 
-    probs = target_probabilities(target, prompt_ids, output_ids, params)
-    return randomized_pit(probs, output_ids, torch.Generator().manual_seed(seed))
+    vocab = p.shape[1]
+    q = q[:, :vocab] if q.shape[1] >= vocab else torch.nn.functional.pad(q, (0, vocab - q.shape[1]))
+    x = torch.tensor(list(tokens), dtype=torch.long)[:, None]
+    px, qx = p.gather(1, x)[:, 0].double(), q.gather(1, x)[:, 0].double()
+    possible = px > 0
+    px, qx = px[possible], qx[possible]
+    return [float(torch.log(((1 - w) * px + w * qx) / px).sum()) for w in DRAFT_WEIGHTS]
+
+
+@dataclass
+class SampledEvidence:
+    """What the target's distribution says of one sampled output (see sampled_evidence)."""
+    u: list[float]
+    impossible: int = 0  # tokens the target gives probability 0
+    draft_lean: list[float] | None = None  # draft_lean_logs, when the output was drafted by a model
+
+    def to_dict(self) -> dict:
+        return {"u": [round(v, 5) for v in self.u], "impossible": self.impossible, "draft_lean": self.draft_lean}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SampledEvidence":
+        return cls(list(data["u"]), data.get("impossible", 0), data.get("draft_lean"))
+
+
+def sampled_evidence(target, prompt_ids: Sequence[int], output_ids: Sequence[int], params, seed: int,
+                     draft=None) -> SampledEvidence:
+    """An output's u values under the target, V drawn from `seed` (keep it apart from the seed the
+    output was sampled with, or V and the draws may share their stream), and with `draft` (a
+    loaded model) the logs of the martingales that grow when the output leans towards it."""
+    import torch
+
+    p = model_probabilities(target, prompt_ids, output_ids, params)
+    u, impossible = randomized_pit(p, output_ids, torch.Generator().manual_seed(seed))
+    lean = None
+    if draft is not None and output_ids:
+        lean = draft_lean_logs(p, model_probabilities(draft, prompt_ids, output_ids, params), output_ids)
+    return SampledEvidence(u, impossible, lean)
 
 
 def uniformity_p_value(values: Sequence[float]) -> float:
@@ -206,14 +249,41 @@ def uniformity_p_value(values: Sequence[float]) -> float:
     return min(1.0, max(0.0, p))
 
 
-def check_sampled_output(values: Sequence[float], impossible: int = 0, alpha: float = SAMPLED_ALPHA) -> Verdict:
-    """Sampled output against the target's distribution, from its u values (randomized_pit)."""
+def draft_lean_p_value(logs: Sequence[Sequence[float]]) -> float:
+    """The p-value of outputs' draft_lean_logs together: 1 / the mean over weights of the product
+    of their martingales (Ville's inequality), at most 1."""
+    totals = [sum(run[i] for run in logs) for i in range(len(DRAFT_WEIGHTS))]
+    top = max(totals)
+    log_e = top + math.log(sum(math.exp(t - top) for t in totals) / len(totals))
+    return math.exp(-log_e) if log_e > 0 else 1.0
+
+
+def sampled_p_values(runs: Sequence[SampledEvidence]) -> dict[str, float]:
+    """The p-values of outputs tested together: "KS" (any departure) and, where the outputs were
+    drafted by a model, "towards the draft"."""
+    tests = {"KS": uniformity_p_value([u for e in runs for u in e.u])}
+    leans = [e.draft_lean for e in runs if e.draft_lean is not None]
+    if leans:
+        tests["towards the draft"] = draft_lean_p_value(leans)
+    return tests
+
+
+def check_sampled_output(evidence: SampledEvidence | Sequence[SampledEvidence],
+                         alpha: float = SAMPLED_ALPHA) -> Verdict:
+    """Sampled outputs (one, or several tested together) against the target's distribution; each
+    test at alpha over the number of tests, so that a lossless sampler is refused at most at alpha."""
+    runs = [evidence] if isinstance(evidence, SampledEvidence) else list(evidence)
+    impossible = sum(e.impossible for e in runs)
     if impossible:
         return Verdict(INVALID, f"sampled output has {impossible} token(s) the target gives probability 0")
-    p = uniformity_p_value(values)
-    what = f"{len(values)} sampled tokens against the target's distribution: KS p = {p:.3g}"
-    if p < alpha:
-        return Verdict(INVALID, f"{what} < {alpha:g}, not drawn from the target's distribution")
+    tests = sampled_p_values(runs)
+    level = alpha / len(tests)
+    what = (f"{sum(len(e.u) for e in runs)} sampled tokens against the target's distribution: "
+            + ", ".join(f"{name} p = {p:.3g}" for name, p in tests.items()))
+    failed = [name for name, p in tests.items() if p < level]
+    if failed:
+        return Verdict(INVALID, f"{what}; {' and '.join(failed)} below {level:g}: not drawn from the target's "
+                                f"distribution")
     return Verdict(VALID, what)
 
 

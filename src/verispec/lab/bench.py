@@ -23,7 +23,7 @@ import torch
 from verispec.errors import VerispecError
 from verispec.generate import encode_prompt, generate, make_proposer
 from verispec.lab.audit import (DEFAULT_SLACK, INVALID, VALID, Verdict, check_output, check_sampled_output,
-                                logit_margin, output_pit, run_checks, worst)
+                                logit_margin, run_checks, sampled_evidence, worst)
 from verispec.lab.prompts import Prompt
 from verispec.lab.calibrate import machine_facts
 from verispec.sampling import SamplingParams
@@ -315,7 +315,8 @@ class Bench:
             record["speedup"] = record["tok_s"] / baseline_tok_s if baseline_tok_s else None
         if self.settings.temperature > 0:
             # sampled runs, the baseline's too (a control on the check), against the target's distribution
-            output, record["pit"] = self.check_sampled(key, prompt_ids, result.token_ids)
+            evidence = self.sampled_evidence(key, config, prompt_ids, result.token_ids)
+            output, record["sampled"] = check_sampled_output(evidence), evidence.to_dict()
         elif is_baseline:
             output = self.check_baseline(baselines[0] if baselines else None, result.token_ids)
         else:
@@ -324,12 +325,13 @@ class Bench:
         record["audit"] = {**worst(checks.values()).to_dict(), **{k: v.to_dict() for k, v in checks.items()}}
         return record
 
-    def check_sampled(self, key: str, prompt_ids: list[int], got: list[int]) -> tuple[Verdict, list[float]]:
-        """A sampled output against the target's distribution, and its u values (audit.randomized_pit),
-        which the run's record keeps so that a configuration's runs can be tested together."""
+    def sampled_evidence(self, key: str, config: RunConfig, prompt_ids: list[int], got: list[int]):
+        """What the target's distribution says of a sampled output (audit.sampled_evidence), with the
+        run's draft model as the alternative it may lean towards. The run's record keeps it, so
+        that a configuration's runs are tested together as well."""
         params = SamplingParams(temperature=self.settings.temperature)
-        values, impossible = output_pit(self.target, prompt_ids, got, params, zlib.crc32(key.encode()))
-        return check_sampled_output(values, impossible), [round(u, 5) for u in values]
+        draft = self.drafts.get(config.proposer.label) if config.proposer.kind == "draft" else None
+        return sampled_evidence(self.target, prompt_ids, got, params, zlib.crc32(key.encode()), draft)
 
     def check_output(self, prompt_ids: list[int], expected: list[int], got: list[int]) -> Verdict:
         return check_output(expected, got, lambda at: logit_margin(self.target, prompt_ids, expected[:at]))

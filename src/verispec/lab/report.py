@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from verispec.errors import VerispecError
-from verispec.lab.audit import DEFAULT_SLACK, TIE, VALID, Verdict, check_sampled_output, run_checks
+from verispec.lab.audit import (DEFAULT_SLACK, TIE, VALID, SampledEvidence, Verdict, check_sampled_output,
+                                run_checks)
 from verispec.lab.records import read_records
 
 SEED_COLUMNS = ["Draft length γ", "Baseline tok/s", "Speculative tok/s", "Speedup", "Acceptance"]
@@ -118,7 +119,8 @@ def _row(key: tuple, runs: list[dict], baselines: dict[tuple, float], slack: flo
     kept = [run for run, c in zip(runs, checks)
             if all(v.valid for v in c.values()) and baselines.get(_prompt_key(run))]
     row.excluded = len(runs) - len(kept)
-    row.verdict = _row_verdict(checks, [run["pit"] for run in runs if run.get("pit") is not None])
+    row.verdict = _row_verdict(checks, [SampledEvidence.from_dict(run["sampled"]) for run in runs
+                                        if run.get("sampled")])
 
     speeds: dict[tuple, list[float]] = {}
     for run in kept:
@@ -146,13 +148,14 @@ def _row(key: tuple, runs: list[dict], baselines: dict[tuple, float], slack: flo
     return row
 
 
-def _row_verdict(checks: list[dict[str, Verdict]], sampled: list[list[float]] | None = None) -> Verdict:
+def _row_verdict(checks: list[dict[str, Verdict]], sampled: list[SampledEvidence] | None = None) -> Verdict:
     """A wrong output or count fails the row. Timings above the physical bound fail it when they are
     most of its runs (its median claims the impossible); a few are noise, left out and counted.
-    `sampled`: the u values of each sampled run, tested together too (more tokens, more power)."""
+    `sampled`: what the target's distribution says of each sampled run, tested together too (more
+    tokens, more power)."""
     n = len(checks)
     wrong = [v for c in checks for v in (c["output"], c["accounting"]) if not v.valid]
-    pooled = check_sampled_output([u for values in sampled for u in values]) if sampled else None
+    pooled = check_sampled_output(sampled) if sampled else None
     if pooled is not None and not wrong and not pooled.valid:
         return Verdict(pooled.status, f"the row's runs together: {pooled.reason}")
     if wrong:
