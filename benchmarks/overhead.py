@@ -9,7 +9,8 @@ threads only add wake-up cost at this size).
 
 Also the greedy choice every step, verification and draft step makes: the argmax of one row
 of Qwen2.5's 151,936 logits, by torch.argmax and by verispec's `greedy_tokens` (NumPy),
-taking turns, at the usual thread count.
+taking turns, at the usual thread count; and the draw of a sampled token from those
+probabilities, by torch.multinomial and by verispec's `sample` (an inverse-CDF search).
 
 And the text every token adds to a streamed output (`TextAssembler`, with a byte-level
 tokenizer): its cost per token at 256 and at 4,096 tokens of output, against one decode
@@ -70,6 +71,23 @@ def argmax_times(vocab: int = 151_936, calls: int = 200, rounds: int = 5) -> dic
 
     logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(0))
     ways = {"torch.argmax": lambda: logits.argmax(-1).tolist(), "greedy_tokens": lambda: greedy_tokens(logits)}
+    return taking_turns(ways, calls, rounds)
+
+
+def draw_times(vocab: int = 151_936, calls: int = 200, rounds: int = 5) -> dict[str, float]:
+    """Median over rounds of the mean seconds per draw of one token from a row of probabilities
+    (random logits at temperature 0.7): torch.multinomial against verispec's sample()."""
+    from verispec.sampling import SamplingParams, probabilities, sample
+
+    generator = torch.Generator().manual_seed(0)
+    probs = probabilities(3 * torch.randn(vocab, generator=generator), SamplingParams(temperature=0.7))
+    ways = {"torch.multinomial": lambda: int(torch.multinomial(probs, 1, generator=generator)),
+            "sample": lambda: sample(probs, generator)}
+    return taking_turns(ways, calls, rounds)
+
+
+def taking_turns(ways: dict, calls: int, rounds: int) -> dict[str, float]:
+    """Median over rounds of the mean seconds per call of each way, the ways taking turns."""
     times: dict[str, list[float]] = {name: [] for name in ways}
     for round_index in range(rounds + 1):
         for name, way in ways.items():
@@ -188,6 +206,11 @@ def main() -> int:
     print(f"  greedy choice over 151,936 logits, {threads} threads: torch.argmax {argmax['torch.argmax'] * 1e6:.1f} µs, "
           f"greedy_tokens {argmax['greedy_tokens'] * 1e6:.1f} µs "
           f"({argmax['torch.argmax'] / argmax['greedy_tokens']:.1f}x less)")
+    draws = {vocab: draw_times(vocab, calls=50 if args.quick else 200) for vocab in (151_936, 32_768)}
+    for vocab, draw in draws.items():
+        print(f"  sampled token from {vocab:,} probabilities, {threads} threads: torch.multinomial "
+              f"{draw['torch.multinomial'] * 1e6:.1f} µs, sample {draw['sample'] * 1e6:.1f} µs "
+              f"({draw['torch.multinomial'] / draw['sample']:.1f}x less)")
     text = text_times(rounds=2 if args.quick else 5)
     print(f"  streamed text per token: {text['add@256'] * 1e6:.1f} µs at 256 tokens, {text['add@4096'] * 1e6:.1f} µs "
           f"at 4,096; decoding the whole 4,096-token output once: {text['whole@4096'] * 1e6:.1f} µs")
@@ -199,7 +222,7 @@ def main() -> int:
     print(f"  token embedding in GGUF Q4_K blocks, one token: {embedding['new'] * 1e6:.1f} µs not met before, "
           f"{embedding['seen'] * 1e6:.1f} µs met before ({embedding['new'] / embedding['seen']:.1f}x less)")
     save("overhead" + ("_quick" if args.quick else ""),
-         {"plain_s": plain, "fast_s": fast, "argmax_s": argmax, "text_s": text, "lookup_s": lookup,
+         {"plain_s": plain, "fast_s": fast, "argmax_s": argmax, "draw_s": draws, "text_s": text, "lookup_s": lookup,
           "embedding_s": embedding})
     return 0 if met else 1
 

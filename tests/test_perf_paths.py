@@ -1290,3 +1290,29 @@ def test_sampled_audit_passes_lossless_sampling_and_refuses_a_verifier_that_keep
     assert broken["refused"] and broken["p_together"]["towards the draft"] < 5e-5 and broken["acceptance"] == 1.0
     lossless_again = sampled_audit.audit_prompts(target, draft, prompts, gamma=4, tokens=48, temperature=0.5)
     assert lossless_again == lossless  # the block put the lossless verifier back; seeds make runs repeat
+
+
+def test_sampled_decoding_compares_both_ways_of_drawing_and_puts_the_sampler_back(folder, tmp_path, monkeypatch):
+    """benchmarks/sampled_decoding.py on tiny models: both ways decode, follow the target's
+    distribution and are timed per token; the engine's sample() is back in place afterwards."""
+    import importlib
+
+    import verispec.sampling as sampling
+    import verispec.spec.verifier as verifier
+    from verispec.lab.audit import check_sampled_output
+    from verispec.lab.prompts import Prompt
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    sampled_decoding = importlib.import_module("sampled_decoding")
+    tiny.save_hf_model(tmp_path, "qwen2", seed=11)
+    target, draft = load_model(folder), load_model(tmp_path)
+    prompts = [Prompt("cat", "test", "the cat sat on the mat."), Prompt("dog", "test", "a dog ran after the cat")]
+    real = sampling.sample
+    with sampled_decoding.drawing_with("torch.multinomial"):
+        assert sampling.sample is verifier.sample is sampled_decoding.multinomial_draw
+    totals = sampled_decoding.compare(target, draft, prompts, gamma=3, tokens=24, temperature=0.8)
+    assert sampling.sample is real and verifier.sample is real
+    assert set(totals) == set(sampled_decoding.WAYS)
+    for way in totals.values():
+        assert way["plain_tokens"] > 0 and way["spec_tokens"] > 0 and way["speedup"] > 0 and way["c"] > 0
+        assert len(way["evidence"]) == 4 and check_sampled_output(way["evidence"]).valid

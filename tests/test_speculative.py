@@ -9,7 +9,7 @@ import torch
 
 import tiny
 from verispec.config import ModelConfig
-from verispec.errors import TokenizerMismatchError
+from verispec.errors import TokenizerMismatchError, VerispecError
 from verispec.events import Token
 from verispec.generate import generate, stream
 from verispec.loading import LoadedModel, load_model
@@ -595,3 +595,23 @@ def test_prompt_lookup_forgets_a_text_that_another_does_not_continue():
     assert lookup.lookup([1, 2, 3, 1, 2], 2) == [3, 1]
     assert lookup.lookup([5, 6, 5], 2) == [6, 5] == _scan_lookup([5, 6, 5], 2, 3, 1)  # shorter: another text
     assert lookup.lookup([9, 6, 5, 9], 2) == [6, 5]  # its first token differs: another text
+
+
+def test_sample_draws_each_id_by_its_weight_across_blocks_and_never_a_zero():
+    """sample() searches blocks of 1,024 ids, then one block: over 3,000 ids whose weight lies at
+    block edges, in one heavy id and nowhere else, the draws follow the weights (unnormalised,
+    as a residual is), and ids of weight zero never come up."""
+    from scipy.stats import chisquare
+
+    from verispec.sampling import sample
+    weights = torch.zeros(3000)
+    support = [0, 1, 1022, 1023, 1024, 1025, 2047, 2048, 2999]
+    weights[support] = torch.tensor([1.0, 2.0, 3.0, 1.0, 4.0, 0.5, 2.5, 1.0, 5.0]) * 0.37
+    gen = torch.Generator().manual_seed(7)
+    draws = [sample(weights, gen) for _ in range(20_000)]
+    assert set(draws) <= set(support)
+    expected = weights[support] / weights.sum() * len(draws)
+    assert chisquare([draws.count(i) for i in support], expected.tolist()).pvalue > 0.01
+    assert sample(torch.tensor([0.0, 0.0, 1.0]), gen) == 2
+    with pytest.raises(VerispecError, match="sum to 0"):
+        sample(torch.zeros(5), gen)

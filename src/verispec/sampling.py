@@ -87,9 +87,42 @@ def greedy_token(logits: torch.Tensor) -> int:
     return greedy_tokens(logits.reshape(1, -1))[0]
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token drawn from one row of probabilities, with the request's CPU generator."""
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+_BLOCK = 1024  # ids per block of the two-level search in sample()
+
+
+def sample(weights: torch.Tensor, generator: torch.Generator) -> int:
+    """One token drawn from one row of nonnegative weights (probabilities, or a residual not yet
+    normalised), with the request's CPU generator.
+
+    By inverting the cumulative sum at one uniform draw: first over blocks of ids, then within
+    the block it falls in, both sums in float64 (NumPy's: faster than torch's here).
+    torch.multinomial draws one exponential per id, 3.4 ms over a 152k vocabulary on
+    this project's CPUs; a sampled draft token and every sampled target token pay the draw.
+    An id of weight zero is never drawn."""
+    row = np.ascontiguousarray(weights.detach().reshape(-1).cpu().float().numpy())
+    whole = row.size - row.size % _BLOCK
+    sums = row[:whole].reshape(-1, _BLOCK).sum(1, dtype=np.float64)
+    if whole < row.size:
+        sums = np.append(sums, row[whole:].sum(dtype=np.float64))
+    ends = np.cumsum(sums)
+    total = float(ends[-1]) if ends.size else 0.0
+    if not 0 < total < float("inf"):
+        raise VerispecError(f"cannot sample from weights that sum to {total}")
+    u = float(torch.rand((), generator=generator, dtype=torch.float64)) * total
+    block = _landing(ends, sums, u)
+    start = block * _BLOCK
+    chunk = row[start:start + _BLOCK]
+    before = float(ends[block - 1]) if block else 0.0
+    return start + _landing(np.cumsum(chunk, dtype=np.float64) + before, chunk, u)
+
+
+def _landing(ends: np.ndarray, sizes: np.ndarray, u: float) -> int:
+    """The first position whose running sum passes u; where rounding carries u past the last
+    one, the last position with any weight."""
+    index = int(np.searchsorted(ends, u, side="right"))
+    if index >= ends.size or sizes[index] <= 0:
+        index = int(np.flatnonzero(sizes > 0)[-1])
+    return index
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

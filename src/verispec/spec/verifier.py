@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.sampling import SamplingParams, greedy_tokens, probabilities
+from verispec.sampling import SamplingParams, greedy_tokens, probabilities, sample
 
 
 @dataclass
@@ -60,13 +60,12 @@ def verify_sampling(target_logits: torch.Tensor, drafts: list[int], draft_probs:
         u = float(torch.rand((), generator=generator))
         if q_d > 0 and u < min(1.0, p_d / q_d):
             continue
-        residual = (p_row - q_row).clamp(min=0)
-        total = float(residual.sum())
-        if total <= 0:  # p == q on the target's vocabulary: any rejection is measure-zero
-            residual, total = p_row, float(p_row.sum())
-        token = int(torch.multinomial(residual / total, 1, generator=generator))
+        residual = (p_row - q_row).clamp(min=0)  # sample() normalises it
+        if float(residual.sum()) <= 0:  # p == q on the target's vocabulary: any rejection is measure-zero
+            residual = p_row
+        token = sample(residual, generator)
         return Verdict(i, token, bonus=False)
-    token = int(torch.multinomial(p[len(drafts)], 1, generator=generator))
+    token = sample(p[len(drafts)], generator)
     return Verdict(len(drafts), token, bonus=True)
 
 
