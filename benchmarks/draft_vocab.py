@@ -29,7 +29,7 @@ import sys
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 
-from perf_common import add_pair_arguments, load_pair, save
+from perf_common import add_pair_arguments, add_pair_runs, load_pair, pair_figures, pair_totals, save
 from verispec.lab.audit import check_sampled_output, sampled_p_values
 from speedup import spec_bench_categories
 
@@ -71,8 +71,7 @@ def compare(target, draft, prompts, ways: dict[str, tuple[int | None, bool]], ga
     from verispec.generate import encode_prompt
     from verispec.spec.draft_model import DraftModelProposer
 
-    totals = {way: {"plain_s": 0.0, "spec_s": 0.0, "accepted": 0, "drafted": 0, "draft_s": 0.0,
-                    "plain_steps": 0, "spec_steps": 0, "valid": True, "evidence": []} for way in ways}
+    totals = {way: pair_totals(valid=True, evidence=[]) for way in ways}
     plain_evidence = []
     for index, prompt in enumerate(prompts):
         sampling = {"temperature": temperature, "seed": seed + index}
@@ -87,13 +86,7 @@ def compare(target, draft, prompts, ways: dict[str, tuple[int | None, bool]], ga
             plain_evidence.append(evidence_of(target, draft, prompt_ids, before.token_ids, temperature, seed + index))
         for way, spec in specs.items():
             entry = totals[way]
-            entry["plain_s"] += plain_s
-            entry["plain_steps"] += len(before.token_ids) - 1
-            entry["spec_s"] += spec.timings.decode_s
-            entry["spec_steps"] += len(spec.token_ids) - 1
-            entry["accepted"] += spec.spec.accepted
-            entry["drafted"] += spec.spec.drafted
-            entry["draft_s"] += spec.spec.draft_s
+            add_pair_runs(entry, plain_s, len(before.token_ids), spec)
             if temperature > 0:
                 entry["evidence"].append(evidence_of(target, draft, prompt_ids, spec.token_ids, temperature,
                                                      seed + index))
@@ -104,12 +97,7 @@ def compare(target, draft, prompts, ways: dict[str, tuple[int | None, bool]], ga
         if temperature > 0:
             entry["p_values"], entry["plain_p_values"] = sampled_p_values(evidence), sampled_p_values(plain_evidence)
             entry["valid"] = check_sampled_output(evidence).valid and check_sampled_output(plain_evidence).valid
-        # time per token: sampled runs differ in length (greedy ones do not)
-        entry["speedup"] = (entry["plain_s"] / max(1, entry["plain_steps"])) / (
-            entry["spec_s"] / max(1, entry["spec_steps"]))
-        entry["acceptance"] = entry["accepted"] / max(1, entry["drafted"])
-        step = entry["plain_s"] / max(1, entry["plain_steps"])
-        entry["c"] = entry["draft_s"] / max(1, entry["drafted"]) / step
+        pair_figures(entry)
     return totals
 
 

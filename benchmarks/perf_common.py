@@ -168,6 +168,33 @@ def add_pair_arguments(parser, weights_help: str | None = None) -> None:
     parser.add_argument("--draft-weights", default="int4")
 
 
+def pair_totals(**more) -> dict:
+    """Empty totals of a pair's runs (add_pair_runs), with `more` fields."""
+    return {"plain_s": 0.0, "plain_steps": 0, "spec_s": 0.0, "spec_steps": 0, "draft_s": 0.0, "drafted": 0,
+            "accepted": 0, **more}
+
+
+def add_pair_runs(entry: dict, plain_s: float, plain_tokens: int, spec) -> None:
+    """Add one prompt's plain decoding (seconds, tokens) and speculative result to a pair's totals."""
+    entry["plain_s"] += plain_s
+    entry["plain_steps"] += plain_tokens - 1
+    entry["spec_s"] += spec.timings.decode_s
+    entry["spec_steps"] += len(spec.token_ids) - 1
+    entry["draft_s"] += spec.spec.draft_s
+    entry["drafted"] += spec.spec.drafted
+    entry["accepted"] += spec.spec.accepted
+
+
+def pair_figures(entry: dict) -> None:
+    """Add to a pair's totals (plain_s, plain_steps, spec_s, spec_steps, draft_s, drafted,
+    accepted) the speed-up per token (sampled answers differ in length), the acceptance, and c:
+    the draft's seconds per drafted token over a plain step's."""
+    step = entry["plain_s"] / max(1, entry["plain_steps"])
+    entry["speedup"] = step / (entry["spec_s"] / max(1, entry["spec_steps"]))
+    entry["acceptance"] = entry["accepted"] / max(1, entry["drafted"])
+    entry["c"] = entry["draft_s"] / max(1, entry["drafted"]) / step
+
+
 def load_pair(args, title: str, details: str):
     """The target and draft that args name (.target, .weights, .draft, .draft_weights),
     after a header line; and the fields every record of the pair starts with."""

@@ -74,10 +74,10 @@ def audit_prompts(target, draft, prompts, gamma: int, tokens: int, temperature: 
                                                                          for e in evidence))}
 
 
-def main() -> int:
-    from verispec.lab.prompts import load_prompts
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def sampled_arguments(description: str) -> argparse.Namespace:
+    """The arguments of a benchmark of sampled decoding on the pair: Spec-Bench categories (or
+    all), prompts per category, γ, tokens, a temperature above 0 and the first prompt's seed."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pair_arguments(parser)
     parser.add_argument("--categories", nargs="+", default=["coding", "writing", "translation"],
                         help="Spec-Bench categories, or all of them: all")
@@ -88,13 +88,25 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.temperature <= 0:
-        parser.error("--temperature must be above 0: greedy output is audited token for token")
+        parser.error("--temperature must be above 0: this measures sampled decoding")
     if args.categories == ["all"]:
         args.categories = spec_bench_categories()
+    return args
 
+
+def load_sampled_pair(args: argparse.Namespace, title: str):
+    """The pair, after a header line naming the sampled runs, and the record its runs fill."""
     details = f"γ = {args.gamma}, {args.tokens} tokens, temperature {args.temperature}, {args.prompts} prompts"
-    target, draft, record = load_pair(args, "sampled-output audit", details)
+    target, draft, record = load_pair(args, title, details)
     record.update(gamma=args.gamma, tokens=args.tokens, temperature=args.temperature, categories={})
+    return target, draft, record
+
+
+def main() -> int:
+    from verispec.lab.prompts import load_prompts
+
+    args = sampled_arguments(__doc__)
+    target, draft, record = load_sampled_pair(args, "sampled-output audit")
     lossless_pass, broken_refused = True, 0
     for category in args.categories:
         prompts = load_prompts(f"spec-bench:{category}", limit=args.prompts)

@@ -16,15 +16,14 @@ outputs are audited against the target's distribution as the lab audits sampled 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import sys
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
 
-from perf_common import add_pair_arguments, load_pair, save
-from speedup import spec_bench_categories
+from perf_common import add_pair_runs, pair_figures, pair_totals, save
+from sampled_audit import load_sampled_pair, sampled_arguments
 
 WAYS = ("torch.multinomial", "sample")
 
@@ -60,8 +59,7 @@ def compare(target, draft, prompts, gamma: int, tokens: int, temperature: float,
     from verispec.lab.audit import sampled_evidence
     from verispec.sampling import SamplingParams
 
-    totals = {way: {"plain_s": 0.0, "plain_tokens": 0, "spec_s": 0.0, "spec_tokens": 0, "draft_s": 0.0,
-                    "drafted": 0, "accepted": 0, "outputs": []} for way in WAYS}
+    totals = {way: pair_totals(outputs=[]) for way in WAYS}
     options = {"chat": True, "max_tokens": tokens, "temperature": temperature}
     for index, prompt in enumerate(prompts):
         for way in WAYS:
@@ -69,13 +67,7 @@ def compare(target, draft, prompts, gamma: int, tokens: int, temperature: float,
                 plain = generate(target, prompt.text, seed=seed + index, **options)
                 spec = generate(target, prompt.text, draft=draft, gamma=gamma, seed=seed + index, **options)
             entry = totals[way]
-            entry["plain_s"] += plain.timings.decode_s
-            entry["plain_tokens"] += len(plain.token_ids) - 1
-            entry["spec_s"] += spec.timings.decode_s
-            entry["spec_tokens"] += len(spec.token_ids) - 1
-            entry["draft_s"] += spec.spec.draft_s
-            entry["drafted"] += spec.spec.drafted
-            entry["accepted"] += spec.spec.accepted
+            add_pair_runs(entry, plain.timings.decode_s, len(plain.token_ids), spec)
             entry["outputs"].append((prompt.text, plain.token_ids, spec.token_ids, seed + index))
     params = SamplingParams(temperature)
     for entry in totals.values():  # after every timed run: each audit pass costs a prefill
@@ -85,12 +77,9 @@ def compare(target, draft, prompts, gamma: int, tokens: int, temperature: float,
             prompt_ids = encode_prompt(target.tokenizer, text, True)
             entry["evidence"].append(sampled_evidence(target, prompt_ids, plain_ids, params, run_seed + 2**32))
             entry["evidence"].append(sampled_evidence(target, prompt_ids, spec_ids, params, run_seed + 2**32, draft))
-        step = entry["plain_s"] / max(1, entry["plain_tokens"])
-        entry["plain_ms_per_token"] = 1e3 * step
-        entry["spec_ms_per_token"] = 1e3 * entry["spec_s"] / max(1, entry["spec_tokens"])
-        entry["speedup"] = entry["plain_ms_per_token"] / entry["spec_ms_per_token"]
-        entry["c"] = entry["draft_s"] / max(1, entry["drafted"]) / step
-        entry["acceptance"] = entry["accepted"] / max(1, entry["drafted"])
+        entry["plain_ms_per_token"] = 1e3 * entry["plain_s"] / max(1, entry["plain_steps"])
+        entry["spec_ms_per_token"] = 1e3 * entry["spec_s"] / max(1, entry["spec_steps"])
+        pair_figures(entry)
     return totals
 
 
@@ -98,24 +87,9 @@ def main() -> int:
     from verispec.lab.audit import check_sampled_output, sampled_p_values
     from verispec.lab.prompts import load_prompts
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_pair_arguments(parser)
-    parser.add_argument("--categories", nargs="+", default=["coding", "writing", "translation"],
-                        help="Spec-Bench categories, or all of them: all")
-    parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
-    parser.add_argument("--gamma", type=int, default=5)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    if args.temperature <= 0:
-        parser.error("--temperature must be above 0: greedy decoding draws no tokens")
-    if args.categories == ["all"]:
-        args.categories = spec_bench_categories()
+    args = sampled_arguments(__doc__)
 
-    details = f"γ = {args.gamma}, {args.tokens} tokens, temperature {args.temperature}, {args.prompts} prompts"
-    target, draft, record = load_pair(args, "sampled decoding by way of drawing", details)
-    record.update(gamma=args.gamma, tokens=args.tokens, temperature=args.temperature, categories={})
+    target, draft, record = load_sampled_pair(args, "sampled decoding by way of drawing")
     all_valid, ratios = True, {}
     for category in args.categories:
         prompts = load_prompts(f"spec-bench:{category}", limit=args.prompts)

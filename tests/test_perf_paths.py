@@ -1287,7 +1287,8 @@ def test_sampled_audit_passes_lossless_sampling_and_refuses_a_verifier_that_keep
     with sampled_audit.keeping_every_draft():
         broken = sampled_audit.audit_prompts(target, draft, prompts, gamma=4, tokens=48, temperature=0.5)
     assert not lossless["refused"] and set(lossless["p_together"]) == {"KS", "towards the draft"}
-    assert broken["refused"] and broken["p_together"]["towards the draft"] < 5e-5 and broken["acceptance"] == 1.0
+    assert broken["refused"] and broken["p_together"]["towards the draft"] < 5e-5
+    assert broken["acceptance"] > 0.8 > lossless["acceptance"]  # a draft that ends the answer ends its round
     lossless_again = sampled_audit.audit_prompts(target, draft, prompts, gamma=4, tokens=48, temperature=0.5)
     assert lossless_again == lossless  # the block put the lossless verifier back; seeds make runs repeat
 
@@ -1314,5 +1315,5 @@ def test_sampled_decoding_compares_both_ways_of_drawing_and_puts_the_sampler_bac
     assert sampling.sample is real and verifier.sample is real
     assert set(totals) == set(sampled_decoding.WAYS)
     for way in totals.values():
-        assert way["plain_tokens"] > 0 and way["spec_tokens"] > 0 and way["speedup"] > 0 and way["c"] > 0
+        assert way["plain_steps"] > 0 and way["spec_steps"] > 0 and way["speedup"] > 0 and way["c"] > 0
         assert len(way["evidence"]) == 4 and check_sampled_output(way["evidence"]).valid
