@@ -2,6 +2,7 @@
 
     python benchmarks/sampled_audit.py                          # coding, writing, translation; T = 0.7
     python benchmarks/sampled_audit.py --categories all --prompts 5 --temperature 1.0
+    python benchmarks/sampled_audit.py --lookup                 # prompt lookup drafts instead
 
 Sampled output cannot be compared with the target-only output token for token; the audit
 (`verispec.lab.audit`) tests it against the target's distribution instead: each token's
@@ -25,6 +26,7 @@ import sys
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 
 from perf_common import add_pair_arguments, load_pair, save
+from verispec.spec.prompt_lookup import PromptLookupProposer
 from speedup import spec_bench_categories
 
 
@@ -50,21 +52,22 @@ def keeping_every_draft():
         engine.verify_sampling = honest
 
 
-def audit_prompts(target, draft, prompts, gamma: int, tokens: int, temperature: float, seed: int = 0) -> dict:
-    """Sample each prompt speculatively (seed + its index) and test the tokens against the target,
-    the draft as the alternative: each test's p-value per run and for all runs together, whether
-    the audit refuses them, tokens and the drafts' acceptance."""
+def audit_prompts(target, new_draft, prompts, gamma: int, tokens: int, temperature: float, seed: int = 0) -> dict:
+    """Sample each prompt speculatively (seed + its index) with the draft new_draft() gives (a
+    loaded model, or a fresh prompt lookup) and test the tokens against the target, the draft as
+    the alternative: each test's p-value per run and for all runs together, whether the audit
+    refuses them, tokens and the drafts' acceptance."""
     from verispec.generate import encode_prompt, generate
     from verispec.lab.audit import check_sampled_output, sampled_evidence, sampled_p_values
     from verispec.sampling import SamplingParams
 
     evidence, accepted, drafted = [], 0, 0
     for index, prompt in enumerate(prompts):
-        result = generate(target, prompt.text, chat=True, draft=draft, gamma=gamma, max_tokens=tokens,
+        result = generate(target, prompt.text, chat=True, draft=new_draft(), gamma=gamma, max_tokens=tokens,
                           temperature=temperature, seed=seed + index)
         prompt_ids = encode_prompt(target.tokenizer, prompt.text, True)
         evidence.append(sampled_evidence(target, prompt_ids, result.token_ids, SamplingParams(temperature),
-                                         seed + index + 2**32, draft))
+                                         seed + index + 2**32, new_draft()))
         accepted, drafted = accepted + result.spec.accepted, drafted + result.spec.drafted
     per_run = [sampled_p_values([e]) for e in evidence]
     return {"tokens": sum(len(e.u) for e in evidence), "acceptance": accepted / max(1, drafted),
@@ -74,9 +77,10 @@ def audit_prompts(target, draft, prompts, gamma: int, tokens: int, temperature: 
                                                                          for e in evidence))}
 
 
-def sampled_arguments(description: str) -> argparse.Namespace:
+def sampled_arguments(description: str, lookup_option: bool = False) -> argparse.Namespace:
     """The arguments of a benchmark of sampled decoding on the pair: Spec-Bench categories (or
-    all), prompts per category, γ, tokens, a temperature above 0 and the first prompt's seed."""
+    all), prompts per category, γ, tokens, a temperature above 0, the first prompt's seed, and
+    with `lookup_option` --lookup (prompt lookup drafts in the draft model's place)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pair_arguments(parser)
     parser.add_argument("--categories", nargs="+", default=["coding", "writing", "translation"],
@@ -86,6 +90,8 @@ def sampled_arguments(description: str) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--seed", type=int, default=0)
+    if lookup_option:
+        parser.add_argument("--lookup", action="store_true", help="prompt lookup drafts instead of the draft model")
     args = parser.parse_args()
     if args.temperature <= 0:
         parser.error("--temperature must be above 0: this measures sampled decoding")
@@ -105,15 +111,16 @@ def load_sampled_pair(args: argparse.Namespace, title: str):
 def main() -> int:
     from verispec.lab.prompts import load_prompts
 
-    args = sampled_arguments(__doc__)
-    target, draft, record = load_sampled_pair(args, "sampled-output audit")
+    args = sampled_arguments(__doc__, lookup_option=True)
+    target, draft, record = load_sampled_pair(args, "sampled-output audit" + (", prompt lookup" if args.lookup else ""))
+    new_draft = PromptLookupProposer if args.lookup else (lambda: draft)
     lossless_pass, broken_refused = True, 0
     for category in args.categories:
         prompts = load_prompts(f"spec-bench:{category}", limit=args.prompts)
-        results = {"lossless": audit_prompts(target, draft, prompts, args.gamma, args.tokens, args.temperature,
+        results = {"lossless": audit_prompts(target, new_draft, prompts, args.gamma, args.tokens, args.temperature,
                                              args.seed)}
         with keeping_every_draft():
-            results["keeps every draft"] = audit_prompts(target, draft, prompts, args.gamma, args.tokens,
+            results["keeps every draft"] = audit_prompts(target, new_draft, prompts, args.gamma, args.tokens,
                                                          args.temperature, args.seed)
         record["categories"][category] = results
         for way, r in results.items():

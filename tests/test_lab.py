@@ -263,6 +263,25 @@ def test_the_draft_lean_martingale_holds_its_level_and_grows_on_tokens_that_lean
     assert len(audit.draft_lean_logs(rows[0], rows[1][:, :15], tokens)) == len(audit.DRAFT_WEIGHTS)
 
 
+def test_the_lookup_lean_grows_on_copied_tokens_the_target_finds_unlikely():
+    """Prompt lookup's draft is the token after the last n-gram's earlier occurrence. An output
+    that copies the context where the target's draws would not is refused; draws from the
+    target are not, and positions with no n-gram found leave the martingale as it is."""
+    from verispec.spec.prompt_lookup import PromptLookupProposer
+
+    gen = torch.Generator().manual_seed(2)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12] * 3
+    p = torch.softmax(torch.randn(60, 40, generator=gen), -1)  # ids 5..12 get no special mass
+    copied = (prompt * 3)[:60]  # the prompt's cycle, continued: lookup's drafts every time
+    drawn = torch.multinomial(p, 1, generator=gen)[:, 0].tolist()
+    lean = audit.lookup_lean_logs(p, PromptLookupProposer(3, 1), prompt, copied)
+    assert audit.draft_lean_p_value([lean]) < 1e-10
+    assert audit.draft_lean_p_value([audit.lookup_lean_logs(p, PromptLookupProposer(3, 1), prompt, drawn)]) > 1e-3
+    unseen = list(range(30, 40))  # ids the context never held: no n-gram, no lean either way
+    lean = audit.lookup_lean_logs(p[:10], PromptLookupProposer(3, 3), [1, 2, 3], unseen)
+    assert lean == pytest.approx([0.0] * 3, abs=1e-12)
+
+
 def test_model_probabilities_follow_the_decoding_steps(loaded):
     """The audit's teacher-forced passes give the distributions the sampler drew from, position by position."""
     from verispec.sampling import SamplingParams, probabilities
@@ -281,7 +300,8 @@ def test_model_probabilities_follow_the_decoding_steps(loaded):
 
 def sampled_bench(loaded, proposer: str) -> list[dict]:
     settings = small_settings(max_tokens=48, temperature=0.5, ignore_eos=True)
-    runner = bench.Bench(loaded["target"], settings, {proposer: loaded[proposer]}, label="tiny")
+    drafts = {proposer: loaded[proposer]} if proposer in loaded else {}
+    runner = bench.Bench(loaded["target"], settings, drafts, label="tiny")
     return runner.run("tiny-prompts", tiny_prompts(), bench.spec_configs([proposer], [4]))
 
 
@@ -295,6 +315,28 @@ def test_sampled_runs_are_checked_against_the_target_distribution(loaded):
     assert all(r["speedup"] == pytest.approx(r["tok_s"] / r["baseline_tok_s"]) for r in records if r["spec"])
     row = report.summarize(records)[0]
     assert row.verdict.status == audit.VALID and "follow the target's distribution" in row.verdict.reason
+
+
+def test_sampled_lookup_runs_are_checked_for_a_lean_towards_lookup(loaded, monkeypatch):
+    """Prompt lookup's runs get the test for a lean too; a verifier that keeps every lookup draft
+    is refused."""
+    from verispec import generate as engine
+    from verispec.sampling import next_token
+    from verispec.spec.verifier import Verdict
+
+    honest = sampled_bench(loaded, "ngram")
+    lookup_runs = [r for r in honest if r["spec"]]
+    assert lookup_runs and all(r["sampled"]["draft_lean"] is not None for r in lookup_runs)
+    assert report.summarize(honest)[0].verdict.status == audit.VALID
+    real = engine.verify_sampling
+
+    def trusting_verifier(logits, drafts, draft_probs, params, generator):
+        if not drafts:
+            return real(logits, drafts, draft_probs, params, generator)
+        return Verdict(len(drafts), next_token(logits[len(drafts)], params, generator), bonus=True)
+
+    monkeypatch.setattr(engine, "verify_sampling", trusting_verifier)
+    assert report.summarize(sampled_bench(loaded, "ngram"))[0].verdict.status == audit.INVALID
 
 
 def test_injected_sampling_that_keeps_every_draft_is_invalid(loaded, monkeypatch):

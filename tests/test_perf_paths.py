@@ -1283,13 +1283,13 @@ def test_sampled_audit_passes_lossless_sampling_and_refuses_a_verifier_that_keep
     tiny.save_hf_model(tmp_path, "qwen2", seed=11)
     target, draft = load_model(folder), load_model(tmp_path)
     prompts = [Prompt("cat", "test", "the cat sat on the mat."), Prompt("dog", "test", "a dog ran after the cat")]
-    lossless = sampled_audit.audit_prompts(target, draft, prompts, gamma=4, tokens=48, temperature=0.5)
+    lossless = sampled_audit.audit_prompts(target, lambda: draft, prompts, gamma=4, tokens=48, temperature=0.5)
     with sampled_audit.keeping_every_draft():
-        broken = sampled_audit.audit_prompts(target, draft, prompts, gamma=4, tokens=48, temperature=0.5)
+        broken = sampled_audit.audit_prompts(target, lambda: draft, prompts, gamma=4, tokens=48, temperature=0.5)
     assert not lossless["refused"] and set(lossless["p_together"]) == {"KS", "towards the draft"}
     assert broken["refused"] and broken["p_together"]["towards the draft"] < 5e-5
     assert broken["acceptance"] > 0.8 > lossless["acceptance"]  # a draft that ends the answer ends its round
-    lossless_again = sampled_audit.audit_prompts(target, draft, prompts, gamma=4, tokens=48, temperature=0.5)
+    lossless_again = sampled_audit.audit_prompts(target, lambda: draft, prompts, gamma=4, tokens=48, temperature=0.5)
     assert lossless_again == lossless  # the block put the lossless verifier back; seeds make runs repeat
 
 

@@ -140,11 +140,12 @@ def logit_margin(target, prompt_ids: Sequence[int], prefix: Sequence[int]) -> tu
 #   was drawn from the target's distribution given the tokens before it. Tokens drawn from
 #   another distribution pile up on one side, which a Kolmogorov-Smirnov test sees.
 # - A lean towards the draft, the way a broken verifier errs. With q the draft's distribution
-#   at each position, the product over tokens of ((1 - w)·p(x) + w·q(x)) / p(x) is a
-#   nonnegative martingale of mean 1 when the tokens follow p, for every weight w: so is the
-#   mean of the products over a few weights, and by Ville's inequality it exceeds 1/α with
-#   probability at most α, at any number of tokens. Tokens that lean towards q make it grow
-#   geometrically, far faster than the KS test gains power.
+#   at each position (a draft model's, or all on the token prompt lookup finds), the product
+#   over tokens of ((1 - w)·p(x) + w·q(x)) / p(x) is a nonnegative martingale of mean 1 when
+#   the tokens follow p, for every weight w: so is the mean of the products over a few
+#   weights, and by Ville's inequality it exceeds 1/α with probability at most α, at any
+#   number of tokens. Tokens that lean towards q make it grow geometrically, far faster than
+#   the KS test gains power.
 
 SAMPLED_ALPHA = 1e-4  # a sampled output is refused when the target's distribution makes it this improbable
 DRAFT_WEIGHTS = (0.25, 0.5, 1.0)  # the weights w of the draft in the martingales' alternatives
@@ -197,9 +198,33 @@ def draft_lean_logs(p, q, tokens: Sequence[int]) -> list[float]:
     vocab = p.shape[1]
     q = q[:, :vocab] if q.shape[1] >= vocab else torch.nn.functional.pad(q, (0, vocab - q.shape[1]))
     x = torch.tensor(list(tokens), dtype=torch.long)[:, None]
-    px, qx = p.gather(1, x)[:, 0].double(), q.gather(1, x)[:, 0].double()
+    return lean_logs(p.gather(1, x)[:, 0], q.gather(1, x)[:, 0])
+
+
+def lookup_lean_logs(p, lookup, prompt_ids: Sequence[int], tokens: Sequence[int]) -> list[float]:
+    """draft_lean_logs for prompt lookup (a PromptLookupProposer), whose draft is the one token
+    its n-grams find after the context so far: q is all on that token, or the target's own p
+    where lookup finds none (a position that cannot lean anywhere)."""
+    import torch
+
+    x = torch.tensor(list(tokens), dtype=torch.long)[:, None]
+    px = p.gather(1, x)[:, 0]
+    context, qx = list(prompt_ids), px.clone()
+    for i, token in enumerate(tokens):
+        found = lookup.lookup(context, 1)
+        if found:
+            qx[i] = float(found[0] == token)
+        context.append(token)
+    return lean_logs(px, qx)
+
+
+def lean_logs(px, qx) -> list[float]:
+    """For each weight w of DRAFT_WEIGHTS, the log of the product of ((1 - w)·px + w·qx) / px over
+    the tokens the target can give (px > 0)."""
+    import torch
+
     possible = px > 0
-    px, qx = px[possible], qx[possible]
+    px, qx = px[possible].double(), qx[possible].double()
     return [float(torch.log(((1 - w) * px + w * qx) / px).sum()) for w in DRAFT_WEIGHTS]
 
 
@@ -208,7 +233,7 @@ class SampledEvidence:
     """What the target's distribution says of one sampled output (see sampled_evidence)."""
     u: list[float]
     impossible: int = 0  # tokens the target gives probability 0
-    draft_lean: list[float] | None = None  # draft_lean_logs, when the output was drafted by a model
+    draft_lean: list[float] | None = None  # draft_lean_logs or lookup_lean_logs, when drafted
 
     def to_dict(self) -> dict:
         return {"u": [round(v, 5) for v in self.u], "impossible": self.impossible, "draft_lean": self.draft_lean}
@@ -222,13 +247,16 @@ def sampled_evidence(target, prompt_ids: Sequence[int], output_ids: Sequence[int
                      draft=None) -> SampledEvidence:
     """An output's u values under the target, V drawn from `seed` (keep it apart from the seed the
     output was sampled with, or V and the draws may share their stream), and with `draft` (a
-    loaded model) the logs of the martingales that grow when the output leans towards it."""
+    loaded model, or a PromptLookupProposer) the logs of the martingales that grow when the output
+    leans towards its drafts."""
     import torch
 
     p = model_probabilities(target, prompt_ids, output_ids, params)
     u, impossible = randomized_pit(p, output_ids, torch.Generator().manual_seed(seed))
     lean = None
-    if draft is not None and output_ids:
+    if draft is not None and output_ids and hasattr(draft, "lookup"):
+        lean = lookup_lean_logs(p, draft, prompt_ids, output_ids)
+    elif draft is not None and output_ids:
         lean = draft_lean_logs(p, model_probabilities(draft, prompt_ids, output_ids, params), output_ids)
     return SampledEvidence(u, impossible, lean)
 
@@ -260,7 +288,7 @@ def draft_lean_p_value(logs: Sequence[Sequence[float]]) -> float:
 
 def sampled_p_values(runs: Sequence[SampledEvidence]) -> dict[str, float]:
     """The p-values of outputs tested together: "KS" (any departure) and, where the outputs were
-    drafted by a model, "towards the draft"."""
+    drafted by a model or prompt lookup, "towards the draft"."""
     tests = {"KS": uniformity_p_value([u for e in runs for u in e.u])}
     leans = [e.draft_lean for e in runs if e.draft_lean is not None]
     if leans:

@@ -331,6 +331,9 @@ class Bench:
         that a configuration's runs are tested together as well."""
         params = SamplingParams(temperature=self.settings.temperature)
         draft = self.drafts.get(config.proposer.label) if config.proposer.kind == "draft" else None
+        if config.proposer.kind == "ngram":
+            from verispec.spec.prompt_lookup import PromptLookupProposer
+            draft = PromptLookupProposer(*self.settings.ngram)
         return sampled_evidence(self.target, prompt_ids, got, params, zlib.crc32(key.encode()), draft)
 
     def check_output(self, prompt_ids: list[int], expected: list[int], got: list[int]) -> Verdict:
