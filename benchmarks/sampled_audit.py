@@ -134,7 +134,7 @@ def main() -> int:
                   f"{'REFUSED' if r['refused'] else 'passed'}")
     print(f"lossless sampling passed in every category: {'yes' if lossless_pass else 'NO'}; "
           f"the broken verifier refused in {broken_refused} of {len(args.categories)} categories")
-    save("sampled_audit", record, {"temperature": args.temperature, "prompts": args.prompts,
+    save("sampled_audit_lookup" if args.lookup else "sampled_audit", record, {"temperature": args.temperature, "prompts": args.prompts,
                                    "lossless_pass": lossless_pass, "broken_refused": broken_refused,
                                    "categories": len(args.categories)})
     return 0 if lossless_pass else 1
