@@ -29,7 +29,8 @@ import sys
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 
-from perf_common import add_pair_arguments, add_pair_runs, load_pair, pair_figures, pair_totals, save
+from perf_common import (add_pair_arguments, add_pair_runs, load_pair, pair_figures, pair_totals,
+                         sampled_evidence_of, save)
 from verispec.lab.audit import check_sampled_output, sampled_p_values
 from speedup import spec_bench_categories
 
@@ -38,15 +39,6 @@ def run(target, prompt: str, tokens: int, **options):
     from verispec.generate import generate
 
     return generate(target, prompt, chat=True, max_tokens=tokens, **options)
-
-
-def evidence_of(target, draft, prompt_ids: list[int], token_ids: list[int], temperature: float, seed: int):
-    """What the target's distribution says of a sampled run's tokens (lab.audit.sampled_evidence),
-    with the draft as the alternative; `seed` is the run's own."""
-    from verispec.lab.audit import sampled_evidence
-    from verispec.sampling import SamplingParams
-
-    return sampled_evidence(target, prompt_ids, token_ids, SamplingParams(temperature), seed + 2**32, draft)
 
 
 def p_values_text(p_values: dict[str, float]) -> str:
@@ -67,8 +59,7 @@ def ways_of(limits: list[int], alone: bool = True) -> dict[str, tuple[int | None
 def compare(target, draft, prompts, ways: dict[str, tuple[int | None, bool]], gamma: int, tokens: int,
             adaptive: bool = False, temperature: float = 0.0, seed: int = 0) -> dict:
     """Per way (ways_of): plain and speculative seconds and tokens, drafts kept, draft seconds,
-    validity; sampled, also the p-values of each way's runs and of the plain runs (evidence_of)."""
-    from verispec.generate import encode_prompt
+    validity; sampled, also the p-values of each way's runs and of the plain runs."""
     from verispec.spec.draft_model import DraftModelProposer
 
     totals = {way: pair_totals(valid=True, evidence=[]) for way in ways}
@@ -82,14 +73,14 @@ def compare(target, draft, prompts, ways: dict[str, tuple[int | None, bool]], ga
         after = run(target, prompt.text, tokens, **sampling)
         plain_s = (before.timings.decode_s + after.timings.decode_s) / 2
         if temperature > 0:  # after the timed runs: the audit's passes cost as much as a prefill each
-            prompt_ids = encode_prompt(target.tokenizer, prompt.text, chat=True)
-            plain_evidence.append(evidence_of(target, draft, prompt_ids, before.token_ids, temperature, seed + index))
+            plain_evidence.append(sampled_evidence_of(target, prompt.text, before.token_ids, temperature, seed + index,
+                                                      draft))
         for way, spec in specs.items():
             entry = totals[way]
             add_pair_runs(entry, plain_s, len(before.token_ids), spec)
             if temperature > 0:
-                entry["evidence"].append(evidence_of(target, draft, prompt_ids, spec.token_ids, temperature,
-                                                     seed + index))
+                entry["evidence"].append(sampled_evidence_of(target, prompt.text, spec.token_ids, temperature,
+                                                             seed + index, draft))
             else:
                 entry["valid"] &= spec.token_ids == before.token_ids == after.token_ids
     for entry in totals.values():

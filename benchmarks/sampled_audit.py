@@ -25,7 +25,7 @@ import sys
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 
-from perf_common import add_pair_arguments, load_pair, save
+from perf_common import add_pair_arguments, load_pair, sampled_evidence_of, save
 from verispec.spec.prompt_lookup import PromptLookupProposer
 from speedup import spec_bench_categories
 
@@ -57,17 +57,15 @@ def audit_prompts(target, new_draft, prompts, gamma: int, tokens: int, temperatu
     loaded model, or a fresh prompt lookup) and test the tokens against the target, the draft as
     the alternative: each test's p-value per run and for all runs together, whether the audit
     refuses them, tokens and the drafts' acceptance."""
-    from verispec.generate import encode_prompt, generate
-    from verispec.lab.audit import check_sampled_output, sampled_evidence, sampled_p_values
-    from verispec.sampling import SamplingParams
+    from verispec.generate import generate
+    from verispec.lab.audit import check_sampled_output, sampled_p_values
 
     evidence, accepted, drafted = [], 0, 0
     for index, prompt in enumerate(prompts):
         result = generate(target, prompt.text, chat=True, draft=new_draft(), gamma=gamma, max_tokens=tokens,
                           temperature=temperature, seed=seed + index)
-        prompt_ids = encode_prompt(target.tokenizer, prompt.text, True)
-        evidence.append(sampled_evidence(target, prompt_ids, result.token_ids, SamplingParams(temperature),
-                                         seed + index + 2**32, new_draft()))
+        evidence.append(sampled_evidence_of(target, prompt.text, result.token_ids, temperature, seed + index,
+                                            new_draft()))
         accepted, drafted = accepted + result.spec.accepted, drafted + result.spec.drafted
     per_run = [sampled_p_values([e]) for e in evidence]
     return {"tokens": sum(len(e.u) for e in evidence), "acceptance": accepted / max(1, drafted),
@@ -134,9 +132,9 @@ def main() -> int:
                   f"{'REFUSED' if r['refused'] else 'passed'}")
     print(f"lossless sampling passed in every category: {'yes' if lossless_pass else 'NO'}; "
           f"the broken verifier refused in {broken_refused} of {len(args.categories)} categories")
-    save("sampled_audit_lookup" if args.lookup else "sampled_audit", record, {"temperature": args.temperature, "prompts": args.prompts,
-                                   "lossless_pass": lossless_pass, "broken_refused": broken_refused,
-                                   "categories": len(args.categories)})
+    save("sampled_audit_lookup" if args.lookup else "sampled_audit", record,
+         {"temperature": args.temperature, "prompts": args.prompts, "lossless_pass": lossless_pass,
+          "broken_refused": broken_refused, "categories": len(args.categories)})
     return 0 if lossless_pass else 1
 
 

@@ -22,7 +22,7 @@ import sys
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
 
-from perf_common import add_pair_runs, pair_figures, pair_totals, save
+from perf_common import add_pair_runs, pair_figures, pair_totals, sampled_evidence_of, save
 from sampled_audit import load_sampled_pair, sampled_arguments
 
 WAYS = ("torch.multinomial", "sample")
@@ -55,9 +55,7 @@ def drawing_with(way: str):
 def compare(target, draft, prompts, gamma: int, tokens: int, temperature: float, seed: int = 0) -> dict:
     """Per way: plain and speculative seconds and tokens, draft seconds and drafts, and the
     outputs' evidence for the audit (lab.audit.sampled_evidence)."""
-    from verispec.generate import encode_prompt, generate
-    from verispec.lab.audit import sampled_evidence
-    from verispec.sampling import SamplingParams
+    from verispec.generate import generate
 
     totals = {way: pair_totals(outputs=[]) for way in WAYS}
     options = {"chat": True, "max_tokens": tokens, "temperature": temperature}
@@ -69,14 +67,12 @@ def compare(target, draft, prompts, gamma: int, tokens: int, temperature: float,
             entry = totals[way]
             add_pair_runs(entry, plain.timings.decode_s, len(plain.token_ids), spec)
             entry["outputs"].append((prompt.text, plain.token_ids, spec.token_ids, seed + index))
-    params = SamplingParams(temperature)
     for entry in totals.values():  # after every timed run: each audit pass costs a prefill
         outputs = entry.pop("outputs")
         entry["evidence"] = []
         for text, plain_ids, spec_ids, run_seed in outputs:
-            prompt_ids = encode_prompt(target.tokenizer, text, True)
-            entry["evidence"].append(sampled_evidence(target, prompt_ids, plain_ids, params, run_seed + 2**32))
-            entry["evidence"].append(sampled_evidence(target, prompt_ids, spec_ids, params, run_seed + 2**32, draft))
+            entry["evidence"].append(sampled_evidence_of(target, text, plain_ids, temperature, run_seed))
+            entry["evidence"].append(sampled_evidence_of(target, text, spec_ids, temperature, run_seed, draft))
         entry["plain_ms_per_token"] = 1e3 * entry["plain_s"] / max(1, entry["plain_steps"])
         entry["spec_ms_per_token"] = 1e3 * entry["spec_s"] / max(1, entry["spec_steps"])
         pair_figures(entry)

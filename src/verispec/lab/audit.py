@@ -195,8 +195,9 @@ def draft_lean_logs(p, q, tokens: Sequence[int]) -> list[float]:
     gives probability 0 are left out: randomized_pit counts them."""
     import torch
 
-    vocab = p.shape[1]
-    q = q[:, :vocab] if q.shape[1] >= vocab else torch.nn.functional.pad(q, (0, vocab - q.shape[1]))
+    from verispec.spec.verifier import on_target_vocab
+
+    q = on_target_vocab(q, p.shape[1])
     x = torch.tensor(list(tokens), dtype=torch.long)[:, None]
     return lean_logs(p.gather(1, x)[:, 0], q.gather(1, x)[:, 0])
 

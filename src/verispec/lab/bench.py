@@ -330,10 +330,10 @@ class Bench:
         run's draft model as the alternative it may lean towards. The run's record keeps it, so
         that a configuration's runs are tested together as well."""
         params = SamplingParams(temperature=self.settings.temperature)
-        draft = self.drafts.get(config.proposer.label) if config.proposer.kind == "draft" else None
-        if config.proposer.kind == "ngram":
-            from verispec.spec.prompt_lookup import PromptLookupProposer
-            draft = PromptLookupProposer(*self.settings.ngram)
+        kind = config.proposer.kind
+        draft = self.drafts.get(config.proposer.label) if kind == "draft" else None
+        if kind == "ngram":
+            draft = self.proposer(config, None)  # a fresh lookup, as the run's
         return sampled_evidence(self.target, prompt_ids, got, params, zlib.crc32(key.encode()), draft)
 
     def check_output(self, prompt_ids: list[int], expected: list[int], got: list[int]) -> Verdict:

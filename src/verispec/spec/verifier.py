@@ -54,7 +54,7 @@ def verify_sampling(target_logits: torch.Tensor, drafts: list[int], draft_probs:
             if draft < vocab:
                 q_row[draft] = 1.0
         else:
-            q_row = _match_vocab(draft_probs[i], vocab)
+            q_row = on_target_vocab(draft_probs[i], vocab)
         p_d = float(p_row[draft]) if draft < vocab else 0.0
         q_d = float(draft_probs[i][draft]) if draft_probs is not None else 1.0
         u = float(torch.rand((), generator=generator))
@@ -69,10 +69,11 @@ def verify_sampling(target_logits: torch.Tensor, drafts: list[int], draft_probs:
     return Verdict(len(drafts), token, bonus=True)
 
 
-def _match_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The draft distribution on the target's vocabulary (padding rows differ in size)."""
+def on_target_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Draft distributions (over the last dimension) on the target's vocabulary (padding rows
+    differ in size): cut, or padded with zeros."""
     if q.shape[-1] == vocab:
         return q
     if q.shape[-1] > vocab:
-        return q[:vocab]
+        return q[..., :vocab]
     return torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
