@@ -615,3 +615,59 @@ def test_sample_draws_each_id_by_its_weight_across_blocks_and_never_a_zero():
     assert sample(torch.tensor([0.0, 0.0, 1.0]), gen) == 2
     with pytest.raises(VerispecError, match="sum to 0"):
         sample(torch.zeros(5), gen)
+
+
+def test_draft_probs_read_columns_as_token_ids():
+    """A limited draft's columns are ids 0..first-1 and then the context's ids: one probability
+    per draft, and the residual over the target's vocabulary (ids past it, or a column the draft
+    lacks, count as zero)."""
+    from verispec.spec.proposer import DraftProbs
+    rows = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1]])
+    q = DraftProbs(rows, extra_ids=[7, 12])  # columns: ids 0, 1, 7, 12
+    assert q.first == 2
+    assert [q.of(0, t) for t in (0, 1, 7, 12, 5)] == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.0])
+    p = torch.full((10,), 0.1)  # the target's vocabulary: ids 0..9, so id 12 lies outside it
+    residual = q.take_from(1, p.clone())
+    expected = torch.full((10,), 0.1)
+    expected[0], expected[1], expected[7] = 0.0, 0.0, 0.0  # 0.1 - 0.4, 0.1 - 0.3, 0.1 - 0.2
+    assert torch.allclose(residual, expected)
+    whole = DraftProbs(torch.tensor([[0.5, 0.25, 0.125, 0.125]]))  # a draft of every id, one more than p's 3
+    assert whole.first == 4 and whole.of(0, 3) == 0.125
+    assert torch.allclose(whole.take_from(0, torch.tensor([0.25, 0.5, 0.25])), torch.tensor([0.0, 0.25, 0.125]))
+
+
+def test_verifier_with_draft_probabilities_over_columns_is_lossless():
+    """A draft over columns [0, 1, then id 3] (id 2 it cannot propose): the verifier's output
+    follows the target's distribution, each draft kept by p/q, the rest drawn from the residual."""
+    from scipy.stats import chisquare
+
+    from verispec.sampling import SamplingParams
+    from verispec.spec.proposer import DraftProbs
+    from verispec.spec.verifier import verify_sampling
+    logits = torch.tensor([[1.0, 0.5, -0.3, 0.2], [0.0, 0.1, 0.2, 0.3]])
+    params = SamplingParams(temperature=1.0)
+    q = torch.tensor([0.2, 0.1, 0.7])
+    gen = torch.Generator().manual_seed(0)
+    counts = [0] * 4
+    for _ in range(20_000):
+        column = int(torch.multinomial(q, 1, generator=gen))
+        draft = [0, 1, 3][column]
+        verdict = verify_sampling(logits, [draft], DraftProbs(q[None], extra_ids=[3]), params, gen)
+        counts[draft if verdict.accepted else verdict.token] += 1
+    expected = torch.softmax(logits[0].double(), -1) * sum(counts)
+    assert chisquare(counts, expected.tolist()).pvalue > 0.01
+
+
+def test_probabilities_at_a_temperature_are_torch_softmax():
+    """Temperature alone takes NumPy's path on the CPU: the same distribution as torch's softmax
+    (to float32 rounding), rows summing to one, -inf logits at zero; top-k keeps torch's path."""
+    from verispec.sampling import SamplingParams, probabilities
+    logits = 3 * torch.randn(3, 5000, generator=torch.Generator().manual_seed(1))
+    logits[1, 10] = float("-inf")
+    got = probabilities(logits, SamplingParams(temperature=0.7))
+    assert got.dtype == torch.float32 and got.shape == logits.shape
+    assert torch.allclose(got, torch.softmax(logits.double() / 0.7, -1).float(), rtol=1e-5, atol=1e-9)
+    assert torch.allclose(got.sum(-1), torch.ones(3)) and got[1, 10] == 0
+    assert torch.equal(probabilities(logits[0], SamplingParams(temperature=0.7)), got[0])
+    top = probabilities(logits, SamplingParams(temperature=0.7, top_k=10))
+    assert int((top[0] > 0).sum()) == 10

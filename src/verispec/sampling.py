@@ -57,6 +57,8 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.greedy:
         # a one-hot on the argmax: greedy decoding is sampling at temperature 0
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    if not params.top_k and params.top_p == 1.0 and logits.device.type == "cpu":
+        return _softmax_on_one_thread(logits, params.temperature)
     logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -70,6 +72,18 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def _softmax_on_one_thread(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(logits / temperature) over the last dimension, through NumPy in place. A row of
+    the vocabulary is too short to be worth waking torch's second thread for, and a new tensor
+    per operation faults fresh pages in: NumPy takes one buffer, on this thread alone
+    (`benchmarks/sampled_decoding.py` compares the two in decoding)."""
+    out = np.divide(np.asarray(logits.detach()), np.float32(temperature), dtype=np.float32)
+    out -= out.max(-1, keepdims=True)
+    np.exp(out, out=out)
+    out /= out.sum(-1, keepdims=True)
+    return torch.from_numpy(out)
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:

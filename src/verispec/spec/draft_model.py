@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from verispec.sampling import SamplingParams, greedy_token, probabilities, sample
-from verispec.spec.proposer import Proposal
+from verispec.spec.proposer import DraftProbs, Proposal
 
 MAX_CONTEXT_IDS = 4096  # context ids a draft limited to the first ids may propose too, at most
 AUTO_DRAFT_VOCAB = 32768  # the first ids "auto" keeps, for a vocabulary of more than twice as many
@@ -140,13 +140,13 @@ class DraftModelProposer:
             if params.greedy:
                 token = self._token(greedy_token(logits))
             else:
-                probs = self._on_vocabulary(probabilities(logits, params))
-                token = sample(probs, generator)
+                probs = probabilities(logits, params)
+                token = self._draw(probs, generator)
                 rows.append(probs)
             tokens.append(token)
             if i + 1 < gamma:
                 feed = torch.tensor([[token]], device=self.device)
-        return Proposal(tokens, torch.stack(rows) if rows else None, steps=gamma - 1 if pending == [] else None)
+        return Proposal(tokens, self._draft_probs(rows), steps=gamma - 1 if pending == [] else None)
 
     def _logits(self, feed: torch.Tensor) -> torch.Tensor:
         """The last position's logits: the first vocab_limit ids', then extra_ids' if any."""
@@ -157,16 +157,20 @@ class DraftModelProposer:
         """The token id of a column of the logits."""
         return index if index < self.vocab_limit else self.extra_ids[index - self.vocab_limit]
 
-    def _on_vocabulary(self, probs: torch.Tensor) -> torch.Tensor:
-        """Probabilities over the logits' columns as a distribution over token ids (where
-        there are context ids; the verifier pads a distribution over the first ids)."""
-        if not self.context_ids:
-            return probs
-        full = torch.zeros(self.rows, device=probs.device)
-        full[:self.vocab_limit] = probs[:self.vocab_limit]
-        extra = probs[self.vocab_limit:]
-        full[torch.tensor(self.extra_ids[:extra.shape[0]], device=probs.device)] = extra
-        return full
+    def _draw(self, probs: torch.Tensor, generator: torch.Generator) -> int:
+        """A token id drawn from probabilities over the logits' columns, there: a row of the
+        whole vocabulary would be longer (4.6x with the default draft vocabulary)."""
+        return self._token(sample(probs, generator))
+
+    def _draft_probs(self, rows: list[torch.Tensor]) -> DraftProbs | None:
+        """A sampled proposal's distributions over the logits' columns: the first ids, then the
+        context's. A row computed before the last context ids were added lacks their columns
+        (zero: it could not propose them)."""
+        if not rows:
+            return None
+        width = max(row.shape[-1] for row in rows)
+        stacked = torch.stack([torch.nn.functional.pad(row, (0, width - row.shape[-1])) for row in rows])
+        return DraftProbs(stacked, self.extra_ids[:width - self.vocab_limit] if self.context_ids else ())
 
     def _take_context_ids(self, context: list[int]) -> None:
         """Add the ids of the context not scanned yet that lie at or above the limit."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from verispec.sampling import SamplingParams, greedy_tokens, probabilities, sample
+from verispec.spec.proposer import DraftProbs
 
 
 @dataclass
@@ -34,38 +35,36 @@ def verify_greedy(target_logits: torch.Tensor, drafts: list[int]) -> Verdict:
     return Verdict(len(drafts), choices[len(drafts)], bonus=True)
 
 
-def verify_sampling(target_logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
+def verify_sampling(target_logits: torch.Tensor, drafts: list[int], draft_probs: DraftProbs | None,
                     params: SamplingParams, generator: torch.Generator) -> Verdict:
     """Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
 
     Keep draft d with probability min(1, p(d) / q(d)); at the first rejection
     draw from the residual max(0, p - q) renormalised. A draft without
     probabilities is one-hot: q(d) = 1. The emitted tokens then follow p exactly.
+    The target's distribution is computed row by row as the drafts are looked at: the rows
+    after a rejection are never needed, and each is a pass over the vocabulary.
     """
-    # draws use the request's CPU generator, so the rows they read move to the CPU once
-    p = probabilities(target_logits, params).cpu()  # [γ+1, V]
-    if draft_probs is not None:
-        draft_probs = draft_probs.cpu()
-    vocab = p.shape[-1]
     for i, draft in enumerate(drafts):
-        p_row = p[i]
-        if draft_probs is None:
-            q_row = torch.zeros(vocab)
-            if draft < vocab:
-                q_row[draft] = 1.0
-        else:
-            q_row = on_target_vocab(draft_probs[i], vocab)
+        # draws use the request's CPU generator, so the rows they read move to the CPU
+        p_row = probabilities(target_logits[i], params).cpu()
+        vocab = p_row.shape[-1]
         p_d = float(p_row[draft]) if draft < vocab else 0.0
-        q_d = float(draft_probs[i][draft]) if draft_probs is not None else 1.0
+        q_d = draft_probs.of(i, draft) if draft_probs is not None else 1.0
         u = float(torch.rand((), generator=generator))
         if q_d > 0 and u < min(1.0, p_d / q_d):
             continue
-        residual = (p_row - q_row).clamp(min=0)  # sample() normalises it
-        if float(residual.sum()) <= 0:  # p == q on the target's vocabulary: any rejection is measure-zero
+        # the residual max(0, p - q), over p's row; sample() normalises it
+        if draft_probs is None:
             residual = p_row
-        token = sample(residual, generator)
-        return Verdict(i, token, bonus=False)
-    token = sample(p[len(drafts)], generator)
+            if draft < vocab:
+                residual[draft] = 0.0  # max(0, p(d) - 1)
+        else:
+            residual = draft_probs.take_from(i, p_row.float())
+        if not residual.numpy().any():  # p == q on the target's vocabulary: any rejection is measure-zero
+            residual = probabilities(target_logits[i], params).cpu()
+        return Verdict(i, sample(residual, generator), bonus=False)
+    token = sample(probabilities(target_logits[len(drafts)], params).cpu(), generator)
     return Verdict(len(drafts), token, bonus=True)
 
 
