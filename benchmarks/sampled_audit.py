@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from collections.abc import Callable
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 
@@ -75,10 +76,12 @@ def audit_prompts(target, new_draft, prompts, gamma: int, tokens: int, temperatu
                                                                          for e in evidence))}
 
 
-def sampled_arguments(description: str, lookup_option: bool = False) -> argparse.Namespace:
+def sampled_arguments(description: str, lookup_option: bool = False,
+                      more: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
     """The arguments of a benchmark of sampled decoding on the pair: Spec-Bench categories (or
-    all), prompts per category, γ, tokens, a temperature above 0, the first prompt's seed, and
-    with `lookup_option` --lookup (prompt lookup drafts in the draft model's place)."""
+    all), prompts per category, γ, tokens, a temperature above 0, the first prompt's seed, with
+    `lookup_option` --lookup (prompt lookup drafts in the draft model's place), and those that
+    `more` adds."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pair_arguments(parser)
     parser.add_argument("--categories", nargs="+", default=["coding", "writing", "translation"],
@@ -90,6 +93,8 @@ def sampled_arguments(description: str, lookup_option: bool = False) -> argparse
     parser.add_argument("--seed", type=int, default=0)
     if lookup_option:
         parser.add_argument("--lookup", action="store_true", help="prompt lookup drafts instead of the draft model")
+    if more is not None:
+        more(parser)
     args = parser.parse_args()
     if args.temperature <= 0:
         parser.error("--temperature must be above 0: this measures sampled decoding")

@@ -1,17 +1,29 @@
-"""Sampled decoding with verispec's draw of a token against torch.multinomial's, side by side.
+"""Sampled decoding as verispec does it against an earlier way, side by side.
 
     python benchmarks/sampled_decoding.py                       # coding, writing, translation; T = 0.7
     python benchmarks/sampled_decoding.py --categories all --prompts 2
+    python benchmarks/sampled_decoding.py --against torch.multinomial
 
 Every sampled token is drawn from a row of probabilities over the vocabulary (Qwen2.5's has
 151,936 ids): each plain step's, each draft step's, and the target's token after each round's
-drafts. torch.multinomial draws one exponential per id for it; verispec's `sample` inverts
-the cumulative sum at one uniform draw instead (`benchmarks/overhead.py` times the two on one
-row). For each prompt this runs plain sampled decoding and speculative sampled decoding with
-each way of drawing, one after the other, and reports time per token as ratios within the
-run; the draft's c is its seconds per drafted token over a plain step's. The two ways draw
-different tokens from the same seed (both follow the same distribution), so each way's
-outputs are audited against the target's distribution as the lab audits sampled runs.
+drafts. The earlier ways, each measured against the engine as it is:
+
+- `torch.multinomial`: drawing with torch.multinomial, which draws one exponential per id;
+  verispec's `sample` inverts the cumulative sum at one uniform draw instead
+  (`benchmarks/overhead.py` times the two on one row).
+- `whole-rows` (the default): the warp through torch's softmax, on both threads, for all γ + 1
+  rows of a verification pass whether or not a rejection leaves them unread; each draft token
+  drawn from, and each residual taken over, a row of the whole vocabulary. verispec now
+  computes the target's rows one at a time as the drafts are looked at, through NumPy on one
+  thread, and the draft's over its own columns (the default draft vocabulary's 32,768 ids and
+  the context's).
+
+For each prompt this runs plain sampled decoding and speculative sampled decoding each way,
+one after the other, and reports time per token as ratios within the run; the draft's c is
+its seconds per drafted token over a plain step's. The ways may draw different tokens from
+the same seed (each follows the same distribution), so each way's outputs are audited against
+the target's distribution as the lab audits sampled runs. Greedy decoding on the same prompts
+(unless --no-greedy) gives the c that sampling's is set against.
 """
 
 from __future__ import annotations
@@ -25,9 +37,6 @@ import torch
 from perf_common import add_pair_runs, pair_figures, pair_totals, sampled_evidence_of, save
 from sampled_audit import load_sampled_pair, sampled_arguments
 
-WAYS = ("torch.multinomial", "sample")
-
-
 def multinomial_draw(weights: torch.Tensor, generator: torch.Generator) -> int:
     """The draw verispec made before `sample`: torch.multinomial over the (normalised) row."""
     row = weights.detach().reshape(-1).cpu().float()
@@ -35,8 +44,9 @@ def multinomial_draw(weights: torch.Tensor, generator: torch.Generator) -> int:
 
 
 @contextlib.contextmanager
-def drawing_with(way: str):
-    """Within the block, every sampled token of plain steps, drafts and verification is drawn `way`."""
+def drawing_with_multinomial():
+    """Within the block, every sampled token of plain steps, drafts and verification is drawn
+    by torch.multinomial."""
     import verispec.sampling as sampling
     import verispec.spec.draft_model as draft_model
     import verispec.spec.verifier as verifier
@@ -44,7 +54,7 @@ def drawing_with(way: str):
     modules = (sampling, draft_model, verifier)
     saved = [module.sample for module in modules]
     for module in modules:
-        module.sample = multinomial_draw if way == "torch.multinomial" else saved[0]
+        module.sample = multinomial_draw
     try:
         yield
     finally:
@@ -52,27 +62,96 @@ def drawing_with(way: str):
             module.sample = function
 
 
-def compare(target, draft, prompts, gamma: int, tokens: int, temperature: float, seed: int = 0) -> dict:
-    """Per way: plain and speculative seconds and tokens, draft seconds and drafts, and the
-    outputs' evidence for the audit (lab.audit.sampled_evidence)."""
+def torch_probabilities(logits: torch.Tensor, params) -> torch.Tensor:
+    """The warp at a temperature as torch computes it, over every row at once."""
+    return torch.softmax(logits.float() / params.temperature, dim=-1)
+
+
+def whole_row(probs: torch.Tensor, first: int, extra_ids, vocab: int) -> torch.Tensor:
+    """Probabilities over columns (ids 0..first-1, then extra_ids) as a row of the whole
+    vocabulary, built with torch's operations."""
+    full = torch.zeros(vocab)
+    full[:first] = probs[:first]
+    if len(extra_ids):
+        full[torch.tensor(list(extra_ids))] = probs[first:]
+    return full
+
+
+def verify_over_whole_rows(target_logits, drafts, draft_probs, params, generator):
+    """The verifier's earlier way: every row's distribution first, residuals over whole rows."""
+    from verispec.sampling import sample
+    from verispec.spec.verifier import Verdict
+
+    p = torch_probabilities(target_logits, params).cpu()
+    vocab = p.shape[-1]
+    for i, draft in enumerate(drafts):
+        if draft_probs is None:
+            q_row = torch.zeros(vocab)
+            q_row[draft] = 1.0
+        else:
+            q_row = whole_row(draft_probs.rows[i], min(draft_probs.first, vocab), draft_probs.extra_ids, vocab)
+        q_d = float(q_row[draft])
+        if q_d > 0 and float(torch.rand((), generator=generator)) < min(1.0, float(p[i, draft]) / q_d):
+            continue
+        residual = (p[i] - q_row).clamp(min=0)
+        return Verdict(i, sample(residual if float(residual.sum()) > 0 else p[i], generator), bonus=False)
+    return Verdict(len(drafts), sample(p[len(drafts)], generator), bonus=True)
+
+
+def draw_over_whole_rows(self, probs: torch.Tensor, generator: torch.Generator) -> int:
+    """The draft's earlier draw (DraftModelProposer._draw): its columns made a row of the whole
+    vocabulary first."""
+    from verispec.sampling import sample
+
+    return sample(whole_row(probs, self.vocab_limit, self.extra_ids[:probs.shape[-1] - self.vocab_limit]
+                            if self.context_ids else [], self.rows), generator)
+
+
+@contextlib.contextmanager
+def over_whole_rows():
+    """Within the block, sampled decoding works the earlier way (`whole-rows` above)."""
+    import verispec.generate as engine
+    import verispec.sampling as sampling
+    import verispec.spec.draft_model as draft_model
+
+    proposer = draft_model.DraftModelProposer
+    saved = (sampling.probabilities, draft_model.probabilities, engine.verify_sampling, proposer._draw)
+    sampling.probabilities = draft_model.probabilities = torch_probabilities
+    engine.verify_sampling, proposer._draw = verify_over_whole_rows, draw_over_whole_rows
+    try:
+        yield
+    finally:
+        sampling.probabilities, draft_model.probabilities, engine.verify_sampling, proposer._draw = saved
+
+
+EARLIER_WAYS = {"whole-rows": over_whole_rows, "torch.multinomial": drawing_with_multinomial}
+
+
+def compare(target, draft, prompts, ways: dict, gamma: int, tokens: int, temperature: float, seed: int = 0) -> dict:
+    """Per way (a name and the context it runs in): plain and speculative seconds and tokens,
+    draft seconds and drafts, and the outputs' evidence for the audit (lab.audit.sampled_evidence).
+    The way named "greedy" decodes at temperature 0 instead, its outputs compared token for token."""
     from verispec.generate import generate
 
-    totals = {way: pair_totals(outputs=[]) for way in WAYS}
-    options = {"chat": True, "max_tokens": tokens, "temperature": temperature}
+    totals = {way: pair_totals(outputs=[]) for way in ways}
     for index, prompt in enumerate(prompts):
-        for way in WAYS:
-            with drawing_with(way):
+        for way, context in ways.items():
+            options = {"chat": True, "max_tokens": tokens, "temperature": 0.0 if way == "greedy" else temperature}
+            with context():
                 plain = generate(target, prompt.text, seed=seed + index, **options)
                 spec = generate(target, prompt.text, draft=draft, gamma=gamma, seed=seed + index, **options)
             entry = totals[way]
             add_pair_runs(entry, plain.timings.decode_s, len(plain.token_ids), spec)
             entry["outputs"].append((prompt.text, plain.token_ids, spec.token_ids, seed + index))
-    for entry in totals.values():  # after every timed run: each audit pass costs a prefill
+    for way, entry in totals.items():  # after every timed run: each audit pass costs a prefill
         outputs = entry.pop("outputs")
-        entry["evidence"] = []
-        for text, plain_ids, spec_ids, run_seed in outputs:
-            entry["evidence"].append(sampled_evidence_of(target, text, plain_ids, temperature, run_seed))
-            entry["evidence"].append(sampled_evidence_of(target, text, spec_ids, temperature, run_seed, draft))
+        if way == "greedy":
+            entry["equal"] = all(plain_ids == spec_ids for _, plain_ids, spec_ids, _ in outputs)
+        else:
+            entry["evidence"] = []
+            for text, plain_ids, spec_ids, run_seed in outputs:
+                entry["evidence"].append(sampled_evidence_of(target, text, plain_ids, temperature, run_seed))
+                entry["evidence"].append(sampled_evidence_of(target, text, spec_ids, temperature, run_seed, draft))
         entry["plain_ms_per_token"] = 1e3 * entry["plain_s"] / max(1, entry["plain_steps"])
         entry["spec_ms_per_token"] = 1e3 * entry["spec_s"] / max(1, entry["spec_steps"])
         pair_figures(entry)
@@ -83,29 +162,45 @@ def main() -> int:
     from verispec.lab.audit import check_sampled_output, sampled_p_values
     from verispec.lab.prompts import load_prompts
 
-    args = sampled_arguments(__doc__)
+    def more(parser) -> None:
+        parser.add_argument("--against", choices=list(EARLIER_WAYS), default="whole-rows",
+                            help="the earlier way to compare with")
+        parser.add_argument("--no-greedy", action="store_true",
+                            help="without greedy decoding on the same prompts (whose c sampling's is set against)")
 
-    target, draft, record = load_sampled_pair(args, "sampled decoding by way of drawing")
+    args = sampled_arguments(__doc__, more=more)
+    ways = {args.against: EARLIER_WAYS[args.against], "now": contextlib.nullcontext}
+    if not args.no_greedy:
+        ways["greedy"] = contextlib.nullcontext
+    target, draft, record = load_sampled_pair(args, f"sampled decoding now and the {args.against} way")
     all_valid, ratios = True, {}
     for category in args.categories:
         prompts = load_prompts(f"spec-bench:{category}", limit=args.prompts)
-        results = compare(target, draft, prompts, args.gamma, args.tokens, args.temperature, args.seed)
+        results = compare(target, draft, prompts, ways, args.gamma, args.tokens, args.temperature, args.seed)
         for way, r in results.items():
-            evidence = r.pop("evidence")
-            r["p_values"], r["valid"] = sampled_p_values(evidence), check_sampled_output(evidence).valid
+            if way == "greedy":
+                r["valid"], tests = r["equal"], "speculative output equal to plain" if r["equal"] else "outputs differ"
+            else:
+                evidence = r.pop("evidence")
+                r["p_values"], r["valid"] = sampled_p_values(evidence), check_sampled_output(evidence).valid
+                tests = ", ".join(f"{name} p = {p:.2g}" for name, p in r["p_values"].items())
             all_valid &= r["valid"]
-            tests = ", ".join(f"{name} p = {p:.2g}" for name, p in r["p_values"].items())
             print(f"  {category:>15} {way:>17}: plain {r['plain_ms_per_token']:.1f} ms/token, speculative "
                   f"{r['spec_ms_per_token']:.1f} ms/token (speed-up {r['speedup']:.2f}x, acceptance "
                   f"{r['acceptance']:.1%}, c = {r['c']:.3f}), {'VALID' if r['valid'] else 'INVALID'} ({tests})")
-        old, new = results["torch.multinomial"], results["sample"]
+        old, new = results[args.against], results["now"]
         ratios[category] = {"plain": old["plain_ms_per_token"] / new["plain_ms_per_token"],
-                            "speculative": old["spec_ms_per_token"] / new["spec_ms_per_token"]}
-        print(f"  {category:>15} sample against torch.multinomial: plain {ratios[category]['plain']:.3f}x, "
-              f"speculative {ratios[category]['speculative']:.3f}x as fast; c {new['c']:.3f} against {old['c']:.3f}")
+                            "speculative": old["spec_ms_per_token"] / new["spec_ms_per_token"],
+                            "speedup": new["speedup"] / old["speedup"]}
+        greedy = f"; greedy c {results['greedy']['c']:.3f}" if "greedy" in results else ""
+        print(f"  {category:>15} now against {args.against}: plain {ratios[category]['plain']:.3f}x, "
+              f"speculative {ratios[category]['speculative']:.3f}x as fast, speed-up {new['speedup']:.2f}x "
+              f"against {old['speedup']:.2f}x; c {new['c']:.3f} against {old['c']:.3f}{greedy}")
         record["categories"][category] = results
-    save("sampled_decoding", record, {"temperature": args.temperature, "prompts": args.prompts,
-                                      "all_valid": all_valid, "speed_ratio": ratios})
+    record["against"] = args.against
+    save(f"sampled_decoding_{args.against.replace('.', '_')}", record,
+         {"against": args.against, "temperature": args.temperature, "prompts": args.prompts,
+          "all_valid": all_valid, "speed_ratio": ratios})
     return 0 if all_valid else 1
 
 

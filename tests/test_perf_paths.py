@@ -1293,12 +1293,15 @@ def test_sampled_audit_passes_lossless_sampling_and_refuses_a_verifier_that_keep
     assert lossless_again == lossless  # the block put the lossless verifier back; seeds make runs repeat
 
 
-def test_sampled_decoding_compares_both_ways_of_drawing_and_puts_the_sampler_back(folder, tmp_path, monkeypatch):
-    """benchmarks/sampled_decoding.py on tiny models: both ways decode, follow the target's
-    distribution and are timed per token; the engine's sample() is back in place afterwards."""
+def test_sampled_decoding_compares_each_earlier_way_and_puts_the_engine_back(folder, tmp_path, monkeypatch):
+    """benchmarks/sampled_decoding.py on tiny models: each earlier way and the engine's decode,
+    follow the target's distribution and are timed per token; what a way replaces (the draw,
+    the warp, the verifier, the draft's draw) is back in place afterwards."""
     import importlib
 
+    import verispec.generate as engine
     import verispec.sampling as sampling
+    import verispec.spec.draft_model as draft_model
     import verispec.spec.verifier as verifier
     from verispec.lab.audit import check_sampled_output
     from verispec.lab.prompts import Prompt
@@ -1308,12 +1311,19 @@ def test_sampled_decoding_compares_both_ways_of_drawing_and_puts_the_sampler_bac
     tiny.save_hf_model(tmp_path, "qwen2", seed=11)
     target, draft = load_model(folder), load_model(tmp_path)
     prompts = [Prompt("cat", "test", "the cat sat on the mat."), Prompt("dog", "test", "a dog ran after the cat")]
-    real = sampling.sample
-    with sampled_decoding.drawing_with("torch.multinomial"):
+    engine_parts = (sampling.sample, verifier.sample, sampling.probabilities, draft_model.probabilities,
+                    engine.verify_sampling, draft_model.DraftModelProposer._draw)
+    with sampled_decoding.drawing_with_multinomial():
         assert sampling.sample is verifier.sample is sampled_decoding.multinomial_draw
-    totals = sampled_decoding.compare(target, draft, prompts, gamma=3, tokens=24, temperature=0.8)
-    assert sampling.sample is real and verifier.sample is real
-    assert set(totals) == set(sampled_decoding.WAYS)
+    with sampled_decoding.over_whole_rows():
+        assert engine.verify_sampling is sampled_decoding.verify_over_whole_rows
+    ways = {**sampled_decoding.EARLIER_WAYS, "now": contextlib.nullcontext, "greedy": contextlib.nullcontext}
+    totals = sampled_decoding.compare(target, draft, prompts, ways, gamma=3, tokens=24, temperature=0.8)
+    assert (sampling.sample, verifier.sample, sampling.probabilities, draft_model.probabilities,
+            engine.verify_sampling, draft_model.DraftModelProposer._draw) == engine_parts
+    assert set(totals) == {"whole-rows", "torch.multinomial", "now", "greedy"}
     for way in totals.values():
         assert way["plain_steps"] > 0 and way["spec_steps"] > 0 and way["speedup"] > 0 and way["c"] > 0
-        assert len(way["evidence"]) == 4 and check_sampled_output(way["evidence"]).valid
+    for name in ("whole-rows", "torch.multinomial", "now"):
+        assert len(totals[name]["evidence"]) == 4 and check_sampled_output(totals[name]["evidence"]).valid
+    assert totals["greedy"]["equal"] and "evidence" not in totals["greedy"]
