@@ -195,16 +195,18 @@ def pair_figures(entry: dict) -> None:
     entry["c"] = entry["draft_s"] / max(1, entry["drafted"]) / step
 
 
-def sampled_evidence_of(target, prompt: str, token_ids: list[int], temperature: float, run_seed: int, draft=None):
-    """What the target's distribution says of a sampled run's tokens for a chat prompt
-    (lab.audit.sampled_evidence), the draft, if given, as the alternative; V is drawn from a
-    stream apart from the run's own (`run_seed`)."""
+def sampled_evidence_of(target, prompt: str, token_ids: list[int], temperature: float, run_seed: int, draft=None,
+                        top_k: int = 0, top_p: float = 1.0):
+    """What the target's distribution (at `temperature`, `top_k`, `top_p`) says of a sampled
+    run's tokens for a chat prompt (lab.audit.sampled_evidence), the draft, if given, as the
+    alternative; V is drawn from a stream apart from the run's own (`run_seed`)."""
     from verispec.generate import encode_prompt
     from verispec.lab.audit import sampled_evidence
     from verispec.sampling import SamplingParams
 
     prompt_ids = encode_prompt(target.tokenizer, prompt, True)
-    return sampled_evidence(target, prompt_ids, token_ids, SamplingParams(temperature), run_seed + 2**32, draft)
+    return sampled_evidence(target, prompt_ids, token_ids, SamplingParams(temperature, top_k, top_p), run_seed + 2**32,
+                            draft)
 
 
 def load_pair(args, title: str, details: str):

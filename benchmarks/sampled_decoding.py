@@ -2,6 +2,7 @@
 
     python benchmarks/sampled_decoding.py                       # coding, writing, translation; T = 0.7
     python benchmarks/sampled_decoding.py --categories all --prompts 2
+    python benchmarks/sampled_decoding.py --top-p 0.95             # with a nucleus
     python benchmarks/sampled_decoding.py --against torch.multinomial
 
 Every sampled token is drawn from a row of probabilities over the vocabulary (Qwen2.5's has
@@ -11,12 +12,13 @@ drafts. The earlier ways, each measured against the engine as it is:
 - `torch.multinomial`: drawing with torch.multinomial, which draws one exponential per id;
   verispec's `sample` inverts the cumulative sum at one uniform draw instead
   (`benchmarks/overhead.py` times the two on one row).
-- `whole-rows` (the default): the warp through torch's softmax, on both threads, for all γ + 1
-  rows of a verification pass whether or not a rejection leaves them unread; each draft token
-  drawn from, and each residual taken over, a row of the whole vocabulary. verispec now
-  computes the target's rows one at a time as the drafts are looked at, through NumPy on one
-  thread, and the draft's over its own columns (the default draft vocabulary's 32,768 ids and
-  the context's).
+- `whole-rows` (the default): the warp through torch's operations, on both threads (softmax;
+  top-k by torch.topk, top-p by sorting the whole vocabulary), for all γ + 1 rows of a
+  verification pass whether or not a rejection leaves them unread; each draft token drawn
+  from, and each residual taken over, a row of the whole vocabulary. verispec now computes the
+  target's rows one at a time as the drafts are looked at, through NumPy on one thread (top-p
+  sorting only the most probable ids that hold its mass), and the draft's over its own columns
+  (the default draft vocabulary's 32,768 ids and the context's).
 
 For each prompt this runs plain sampled decoding and speculative sampled decoding each way,
 one after the other, and reports time per token as ratios within the run; the draft's c is
@@ -36,6 +38,7 @@ import torch
 
 from perf_common import add_pair_runs, pair_figures, pair_totals, sampled_evidence_of, save
 from sampled_audit import load_sampled_pair, sampled_arguments
+from verispec.sampling import _warp_with_torch
 
 def multinomial_draw(weights: torch.Tensor, generator: torch.Generator) -> int:
     """The draw verispec made before `sample`: torch.multinomial over the (normalised) row."""
@@ -62,9 +65,9 @@ def drawing_with_multinomial():
             module.sample = function
 
 
-def torch_probabilities(logits: torch.Tensor, params) -> torch.Tensor:
-    """The warp at a temperature as torch computes it, over every row at once."""
-    return torch.softmax(logits.float() / params.temperature, dim=-1)
+def warp_with_torch(logits: torch.Tensor, params) -> torch.Tensor:
+    """The warp (sampling.probabilities) as torch's operations compute it, every row at once."""
+    return _warp_with_torch(logits.float(), params)
 
 
 def whole_row(probs: torch.Tensor, first: int, extra_ids, vocab: int) -> torch.Tensor:
@@ -82,7 +85,7 @@ def verify_over_whole_rows(target_logits, drafts, draft_probs, params, generator
     from verispec.sampling import sample
     from verispec.spec.verifier import Verdict
 
-    p = torch_probabilities(target_logits, params).cpu()
+    p = warp_with_torch(target_logits, params).cpu()
     vocab = p.shape[-1]
     for i, draft in enumerate(drafts):
         if draft_probs is None:
@@ -116,7 +119,7 @@ def over_whole_rows():
 
     proposer = draft_model.DraftModelProposer
     saved = (sampling.probabilities, draft_model.probabilities, engine.verify_sampling, proposer._draw)
-    sampling.probabilities = draft_model.probabilities = torch_probabilities
+    sampling.probabilities = draft_model.probabilities = warp_with_torch
     engine.verify_sampling, proposer._draw = verify_over_whole_rows, draw_over_whole_rows
     try:
         yield
@@ -127,16 +130,17 @@ def over_whole_rows():
 EARLIER_WAYS = {"whole-rows": over_whole_rows, "torch.multinomial": drawing_with_multinomial}
 
 
-def compare(target, draft, prompts, ways: dict, gamma: int, tokens: int, temperature: float, seed: int = 0) -> dict:
+def compare(target, draft, prompts, ways: dict, gamma: int, tokens: int, warp: dict, seed: int = 0) -> dict:
     """Per way (a name and the context it runs in): plain and speculative seconds and tokens,
-    draft seconds and drafts, and the outputs' evidence for the audit (lab.audit.sampled_evidence).
-    The way named "greedy" decodes at temperature 0 instead, its outputs compared token for token."""
+    draft seconds and drafts, and the outputs' evidence for the audit (lab.audit.sampled_evidence),
+    sampled with `warp` (temperature, top_k, top_p). The way named "greedy" decodes at
+    temperature 0 instead, its outputs compared token for token."""
     from verispec.generate import generate
 
     totals = {way: pair_totals(outputs=[]) for way in ways}
     for index, prompt in enumerate(prompts):
         for way, context in ways.items():
-            options = {"chat": True, "max_tokens": tokens, "temperature": 0.0 if way == "greedy" else temperature}
+            options = {"chat": True, "max_tokens": tokens, **({"temperature": 0.0} if way == "greedy" else warp)}
             with context():
                 plain = generate(target, prompt.text, seed=seed + index, **options)
                 spec = generate(target, prompt.text, draft=draft, gamma=gamma, seed=seed + index, **options)
@@ -150,8 +154,9 @@ def compare(target, draft, prompts, ways: dict, gamma: int, tokens: int, tempera
         else:
             entry["evidence"] = []
             for text, plain_ids, spec_ids, run_seed in outputs:
-                entry["evidence"].append(sampled_evidence_of(target, text, plain_ids, temperature, run_seed))
-                entry["evidence"].append(sampled_evidence_of(target, text, spec_ids, temperature, run_seed, draft))
+                for ids, drafted_by in ((plain_ids, None), (spec_ids, draft)):
+                    entry["evidence"].append(sampled_evidence_of(target, text, ids, run_seed=run_seed,
+                                                                 draft=drafted_by, **warp))
         entry["plain_ms_per_token"] = 1e3 * entry["plain_s"] / max(1, entry["plain_steps"])
         entry["spec_ms_per_token"] = 1e3 * entry["spec_s"] / max(1, entry["spec_steps"])
         pair_figures(entry)
@@ -165,6 +170,8 @@ def main() -> int:
     def more(parser) -> None:
         parser.add_argument("--against", choices=list(EARLIER_WAYS), default="whole-rows",
                             help="the earlier way to compare with")
+        parser.add_argument("--top-k", type=int, default=0, help="sample from the k most probable tokens only")
+        parser.add_argument("--top-p", type=float, default=1.0, help="sample from the nucleus of this mass only")
         parser.add_argument("--no-greedy", action="store_true",
                             help="without greedy decoding on the same prompts (whose c sampling's is set against)")
 
@@ -172,11 +179,14 @@ def main() -> int:
     ways = {args.against: EARLIER_WAYS[args.against], "now": contextlib.nullcontext}
     if not args.no_greedy:
         ways["greedy"] = contextlib.nullcontext
-    target, draft, record = load_sampled_pair(args, f"sampled decoding now and the {args.against} way")
+    warp = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    target, draft, record = load_sampled_pair(args, f"sampled decoding now and the {args.against} way "
+                                              f"(top-k {args.top_k}, top-p {args.top_p})")
+    record.update(top_k=args.top_k, top_p=args.top_p)
     all_valid, ratios = True, {}
     for category in args.categories:
         prompts = load_prompts(f"spec-bench:{category}", limit=args.prompts)
-        results = compare(target, draft, prompts, ways, args.gamma, args.tokens, args.temperature, args.seed)
+        results = compare(target, draft, prompts, ways, args.gamma, args.tokens, warp, args.seed)
         for way, r in results.items():
             if way == "greedy":
                 r["valid"], tests = r["equal"], "speculative output equal to plain" if r["equal"] else "outputs differ"
@@ -198,8 +208,10 @@ def main() -> int:
               f"against {old['speedup']:.2f}x; c {new['c']:.3f} against {old['c']:.3f}{greedy}")
         record["categories"][category] = results
     record["against"] = args.against
-    save(f"sampled_decoding_{args.against.replace('.', '_')}", record,
-         {"against": args.against, "temperature": args.temperature, "prompts": args.prompts,
+    warped = "".join(f"_{name}_{value}" for name, value, plain in (("top_k", args.top_k, 0), ("top_p", args.top_p, 1.0))
+                     if value != plain)
+    save(f"sampled_decoding_{args.against.replace('.', '_')}{warped}", record,
+         {"against": args.against, **warp, "prompts": args.prompts,
           "all_valid": all_valid, "speed_ratio": ratios})
     return 0 if all_valid else 1
 

@@ -1318,7 +1318,8 @@ def test_sampled_decoding_compares_each_earlier_way_and_puts_the_engine_back(fol
     with sampled_decoding.over_whole_rows():
         assert engine.verify_sampling is sampled_decoding.verify_over_whole_rows
     ways = {**sampled_decoding.EARLIER_WAYS, "now": contextlib.nullcontext, "greedy": contextlib.nullcontext}
-    totals = sampled_decoding.compare(target, draft, prompts, ways, gamma=3, tokens=24, temperature=0.8)
+    warp = {"temperature": 0.8, "top_k": 0, "top_p": 0.9}
+    totals = sampled_decoding.compare(target, draft, prompts, ways, gamma=3, tokens=24, warp=warp)
     assert (sampling.sample, verifier.sample, sampling.probabilities, draft_model.probabilities,
             engine.verify_sampling, draft_model.DraftModelProposer._draw) == engine_parts
     assert set(totals) == {"whole-rows", "torch.multinomial", "now", "greedy"}

@@ -671,3 +671,32 @@ def test_probabilities_at_a_temperature_are_torch_softmax():
     assert torch.equal(probabilities(logits[0], SamplingParams(temperature=0.7)), got[0])
     top = probabilities(logits, SamplingParams(temperature=0.7, top_k=10))
     assert int((top[0] > 0).sum()) == 10
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (0, 0.5), (40, 1.0), (40, 0.8), (3000, 0.95), (0, 0.999)])
+def test_the_cpu_warp_keeps_what_torchs_keeps(top_k, top_p):
+    """probabilities() on the CPU (NumPy, top-p sorting only the ids that hold its mass) gives
+    the distribution of the torch path an accelerator takes, the same ids kept, for logits
+    whose nucleus is a few ids or thousands."""
+    from verispec.sampling import SamplingParams, _warp_on_one_thread, _warp_with_torch
+    gen = torch.Generator().manual_seed(top_k + int(100 * top_p))
+    logits = torch.cat([8 * torch.randn(2, 20_000, generator=gen), 0.5 * torch.randn(2, 20_000, generator=gen)])
+    params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p)
+    got, expected = _warp_on_one_thread(logits, params), _warp_with_torch(logits, params)
+    assert torch.equal(got > 0, expected > 0)
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-8)
+    assert torch.allclose(got.sum(-1), torch.ones(4))
+
+
+def test_the_cpu_warp_breaks_ties_as_a_sort_may():
+    """Equal logits at top-k's or top-p's edge: top-k keeps every tie of the k-th (as torch's
+    masking does); top-p keeps as many of the tied ids as the mass before each allows."""
+    from verispec.sampling import SamplingParams, _warp_on_one_thread, _warp_with_torch
+    logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0, -2.0]])
+    top_k = _warp_on_one_thread(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert top_k[0].tolist()[4:] == [0.0, 0.0] and int((top_k > 0).sum()) == 4
+    for top_p in (0.6, 0.8, 0.9, 0.97):
+        params = SamplingParams(temperature=1.0, top_p=top_p)
+        got, expected = _warp_on_one_thread(logits, params), _warp_with_torch(logits, params)
+        assert int((got > 0).sum()) == int((expected > 0).sum())
+        assert torch.allclose(got.sort(-1).values, expected.sort(-1).values, atol=1e-7)

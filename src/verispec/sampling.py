@@ -57,8 +57,13 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.greedy:
         # a one-hot on the argmax: greedy decoding is sampling at temperature 0
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    if not params.top_k and params.top_p == 1.0 and logits.device.type == "cpu":
-        return _softmax_on_one_thread(logits, params.temperature)
+    if logits.device.type == "cpu":
+        return _warp_on_one_thread(logits, params)
+    return _warp_with_torch(logits, params)
+
+
+def _warp_with_torch(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The warp in torch's operations, every row at once (on an accelerator)."""
     logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -70,20 +75,57 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = probs / probs.sum(-1, keepdims=True)
     return probs
 
 
-def _softmax_on_one_thread(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """softmax(logits / temperature) over the last dimension, through NumPy in place. A row of
-    the vocabulary is too short to be worth waking torch's second thread for, and a new tensor
-    per operation faults fresh pages in: NumPy takes one buffer, on this thread alone
-    (`benchmarks/sampled_decoding.py` compares the two in decoding)."""
-    out = np.divide(np.asarray(logits.detach()), np.float32(temperature), dtype=np.float32)
-    out -= out.max(-1, keepdims=True)
-    np.exp(out, out=out)
-    out /= out.sum(-1, keepdims=True)
+NUCLEUS_HEAD = 64  # the most probable ids top-p sorts first; 8 times as many while they hold too little
+
+
+def _warp_on_one_thread(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The warp of `_warp_with_torch` on the CPU, through NumPy, row by row in one buffer, on
+    this thread. A row of the vocabulary is too short to be worth waking torch's second thread
+    for, a new tensor per operation faults fresh pages in, and top-p need not sort the whole
+    vocabulary: only the few ids that hold its mass (`benchmarks/overhead.py` times both ways)."""
+    out = np.divide(np.asarray(logits.detach()), np.float32(params.temperature), dtype=np.float32)
+    for row in out.reshape(-1, out.shape[-1]):
+        ids = None  # the ids top-k keeps, where it applies
+        if params.top_k and params.top_k < row.size:
+            kth = np.partition(row, row.size - params.top_k)[row.size - params.top_k]
+            ids = np.flatnonzero(row >= kth)  # ties with the k-th stay, as in torch's masking
+            kept = np.exp(row[ids] - row.max())
+            row[:] = 0.0
+            row[ids] = kept / kept.sum()
+        else:
+            row -= row.max()
+            np.exp(row, out=row)
+            row /= row.sum()
+        if params.top_p < 1.0:
+            _keep_nucleus(row, params.top_p, ids)
     return torch.from_numpy(out)
+
+
+def _keep_nucleus(row: np.ndarray, top_p: float, ids: np.ndarray | None = None) -> None:
+    """Top-p on one row of probabilities, in place: the most probable ids (of `ids`, where only
+    they can be nonzero), each kept while the mass before it is below top_p (so the first always
+    stays), renormalised. Once the most probable ids found so far hold top_p, no id past them
+    can be kept, so only they are sorted."""
+    values = row if ids is None else row[ids]
+    size = NUCLEUS_HEAD
+    while True:
+        size = min(size, values.size)
+        head = np.argpartition(values, values.size - size)[values.size - size:] if size < values.size \
+            else np.arange(values.size)
+        order = head[np.argsort(-values[head], kind="stable")]
+        ranked = values[order]
+        mass = np.cumsum(ranked, dtype=np.float64)
+        if mass[-1] >= top_p or size == values.size:
+            break
+        size *= 8
+    keep = mass - ranked < top_p
+    kept = ranked[keep]
+    row[:] = 0.0
+    row[order[keep] if ids is None else ids[order[keep]]] = kept / kept.sum()
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
