@@ -9,8 +9,10 @@ threads only add wake-up cost at this size).
 
 Also the greedy choice every step, verification and draft step makes: the argmax of one row
 of Qwen2.5's 151,936 logits, by torch.argmax and by verispec's `greedy_tokens` (NumPy),
-taking turns, at the usual thread count; and the draw of a sampled token from those
-probabilities, by torch.multinomial and by verispec's `sample` (an inverse-CDF search).
+taking turns, at the usual thread count; the draw of a sampled token from those
+probabilities, by torch.multinomial and by verispec's `sample` (an inverse-CDF search); and
+the warp that makes probabilities of logits (temperature, top-p, top-k), by torch's
+operations and by verispec's CPU path (NumPy, top-p sorting only the ids that hold its mass).
 
 And the text every token adds to a streamed output (`TextAssembler`, with a byte-level
 tokenizer): its cost per token at 256 and at 4,096 tokens of output, against one decode
@@ -84,6 +86,36 @@ def draw_times(vocab: int = 151_936, calls: int = 200, rounds: int = 5) -> dict[
     ways = {"torch.multinomial": lambda: int(torch.multinomial(probs, 1, generator=generator)),
             "sample": lambda: sample(probs, generator)}
     return taking_turns(ways, calls, rounds)
+
+
+def zipf_logits(vocab: int, generator: torch.Generator) -> torch.Tensor:
+    """Logits of a language model's usual shape: probability falling as rank^-1.1 (Zipf's law),
+    the ranks shuffled over the ids."""
+    ranks = torch.randperm(vocab, generator=generator).double() + 1
+    return (-1.1 * ranks.log()).float()
+
+
+WARPS = {"temperature 0.7": ({"temperature": 0.7}, "zipf"),
+         "top-p 0.95": ({"temperature": 0.7, "top_p": 0.95}, "zipf"),
+         "top-p 0.95, flat logits": ({"temperature": 0.7, "top_p": 0.95}, "normal"),
+         "top-k 50": ({"temperature": 0.7, "top_k": 50}, "zipf")}
+
+
+def warp_times(vocab: int = 151_936, calls: int = 50, rounds: int = 5) -> dict[str, dict[str, float]]:
+    """Per warp of WARPS, the median over rounds of the mean seconds per row of the warp
+    (sampling.probabilities) on one row of logits: torch's operations (the accelerator path)
+    against the CPU path. `zipf` logits have a nucleus of a few hundred ids; `normal` ones
+    (3 times a standard normal) one of tens of thousands, where top-p's head search grows."""
+    from verispec.sampling import SamplingParams, _warp_with_torch, probabilities
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = {"zipf": zipf_logits(vocab, generator), "normal": 3 * torch.randn(vocab, generator=generator)}
+    times = {}
+    for name, (warp, shape) in WARPS.items():
+        params, logits = SamplingParams(**warp), shapes[shape]
+        times[name] = taking_turns({"torch": lambda: _warp_with_torch(logits, params),
+                                    "numpy": lambda: probabilities(logits, params)}, calls, rounds)
+    return times
 
 
 def taking_turns(ways: dict, calls: int, rounds: int) -> dict[str, float]:
@@ -211,6 +243,10 @@ def main() -> int:
         print(f"  sampled token from {vocab:,} probabilities, {threads} threads: torch.multinomial "
               f"{draw['torch.multinomial'] * 1e6:.1f} µs, sample {draw['sample'] * 1e6:.1f} µs "
               f"({draw['torch.multinomial'] / draw['sample']:.1f}x less)")
+    warps = warp_times(calls=10 if args.quick else 50, rounds=2 if args.quick else 5)
+    for name, warp in warps.items():
+        print(f"  warp of 151,936 logits, {name}, {threads} threads: torch {warp['torch'] * 1e6:.1f} µs, "
+              f"NumPy {warp['numpy'] * 1e6:.1f} µs ({warp['torch'] / warp['numpy']:.1f}x less)")
     text = text_times(rounds=2 if args.quick else 5)
     print(f"  streamed text per token: {text['add@256'] * 1e6:.1f} µs at 256 tokens, {text['add@4096'] * 1e6:.1f} µs "
           f"at 4,096; decoding the whole 4,096-token output once: {text['whole@4096'] * 1e6:.1f} µs")
@@ -222,8 +258,8 @@ def main() -> int:
     print(f"  token embedding in GGUF Q4_K blocks, one token: {embedding['new'] * 1e6:.1f} µs not met before, "
           f"{embedding['seen'] * 1e6:.1f} µs met before ({embedding['new'] / embedding['seen']:.1f}x less)")
     save("overhead" + ("_quick" if args.quick else ""),
-         {"plain_s": plain, "fast_s": fast, "argmax_s": argmax, "draw_s": draws, "text_s": text, "lookup_s": lookup,
-          "embedding_s": embedding})
+         {"plain_s": plain, "fast_s": fast, "argmax_s": argmax, "draw_s": draws, "warp_s": warps, "text_s": text,
+          "lookup_s": lookup, "embedding_s": embedding})
     return 0 if met else 1
 
 

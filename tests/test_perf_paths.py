@@ -5,6 +5,7 @@ the weight cache round-trips, and the GPU benchmark runs (on the CPU, at toy siz
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import subprocess
 import sys
@@ -1328,3 +1329,16 @@ def test_sampled_decoding_compares_each_earlier_way_and_puts_the_engine_back(fol
     for name in ("whole-rows", "torch.multinomial", "now"):
         assert len(totals[name]["evidence"]) == 4 and check_sampled_output(totals[name]["evidence"]).valid
     assert totals["greedy"]["equal"] and "evidence" not in totals["greedy"]
+
+
+def test_overhead_times_each_warp_both_ways(monkeypatch):
+    """benchmarks/overhead.py's warp timings run on a small vocabulary: each warp, both ways."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    overhead = importlib.import_module("overhead")
+    times = overhead.warp_times(vocab=4096, calls=2, rounds=1)
+    assert set(times) == set(overhead.WARPS)
+    assert all(set(way) == {"torch", "numpy"} and min(way.values()) > 0 for way in times.values())
+    logits = overhead.zipf_logits(4096, torch.Generator().manual_seed(0))
+    assert sorted(logits.tolist(), reverse=True)[:2] == pytest.approx([0.0, -1.1 * math.log(2)], abs=1e-6)

@@ -79,7 +79,9 @@ def _warp_with_torch(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
     return probs
 
 
-NUCLEUS_HEAD = 64  # the most probable ids top-p sorts first; 8 times as many while they hold too little
+# top-p sorts the ids of at least the first floor's probability (at most 1,000 of them), then the
+# next floor's while they hold too little (usually a few ids hold it)
+NUCLEUS_FLOORS = (1e-3, 1e-5, 0.0)
 
 
 def _warp_on_one_thread(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -108,20 +110,16 @@ def _warp_on_one_thread(logits: torch.Tensor, params: SamplingParams) -> torch.T
 def _keep_nucleus(row: np.ndarray, top_p: float, ids: np.ndarray | None = None) -> None:
     """Top-p on one row of probabilities, in place: the most probable ids (of `ids`, where only
     they can be nonzero), each kept while the mass before it is below top_p (so the first always
-    stays), renormalised. Once the most probable ids found so far hold top_p, no id past them
-    can be kept, so only they are sorted."""
+    stays), renormalised. Only the ids of at least a floor's probability are sorted, the floor
+    lowered until they hold top_p: no id below them can be kept then."""
     values = row if ids is None else row[ids]
-    size = NUCLEUS_HEAD
-    while True:
-        size = min(size, values.size)
-        head = np.argpartition(values, values.size - size)[values.size - size:] if size < values.size \
-            else np.arange(values.size)
+    for floor in NUCLEUS_FLOORS:
+        head = np.flatnonzero(values >= floor) if floor > 0 else np.arange(values.size)
         order = head[np.argsort(-values[head], kind="stable")]
         ranked = values[order]
         mass = np.cumsum(ranked, dtype=np.float64)
-        if mass[-1] >= top_p or size == values.size:
+        if mass.size and mass[-1] >= top_p:
             break
-        size *= 8
     keep = mass - ranked < top_p
     kept = ranked[keep]
     row[:] = 0.0
