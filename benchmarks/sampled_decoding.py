@@ -4,6 +4,7 @@
     python benchmarks/sampled_decoding.py --categories all --prompts 2
     python benchmarks/sampled_decoding.py --top-p 0.95             # with a nucleus
     python benchmarks/sampled_decoding.py --against torch.multinomial
+    python benchmarks/sampled_decoding.py --against none --adaptive --gamma 8 --categories all
 
 Every sampled token is drawn from a row of probabilities over the vocabulary (Qwen2.5's has
 151,936 ids): each plain step's, each draft step's, and the target's token after each round's
@@ -36,7 +37,7 @@ import sys
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
 
-from perf_common import add_pair_runs, pair_figures, pair_totals, sampled_evidence_of, save
+from perf_common import add_pair_runs, pair_figures, pair_totals, sampled_evidence_of, save, verdict
 from sampled_audit import load_sampled_pair, sampled_arguments
 from verispec.sampling import _warp_with_torch
 
@@ -130,11 +131,13 @@ def over_whole_rows():
 EARLIER_WAYS = {"whole-rows": over_whole_rows, "torch.multinomial": drawing_with_multinomial}
 
 
-def compare(target, draft, prompts, ways: dict, gamma: int, tokens: int, warp: dict, seed: int = 0) -> dict:
+def compare(target, draft, prompts, ways: dict, gamma: int, tokens: int, warp: dict, seed: int = 0,
+            adaptive: bool = False) -> dict:
     """Per way (a name and the context it runs in): plain and speculative seconds and tokens,
     draft seconds and drafts, and the outputs' evidence for the audit (lab.audit.sampled_evidence),
-    sampled with `warp` (temperature, top_k, top_p). The way named "greedy" decodes at
-    temperature 0 instead, its outputs compared token for token."""
+    sampled with `warp` (temperature, top_k, top_p), speculation `adaptive` (γ at most `gamma`)
+    or not. The way named "greedy" decodes at temperature 0 instead, its outputs compared token
+    for token."""
     from verispec.generate import generate
 
     totals = {way: pair_totals(outputs=[]) for way in ways}
@@ -143,7 +146,8 @@ def compare(target, draft, prompts, ways: dict, gamma: int, tokens: int, warp: d
             options = {"chat": True, "max_tokens": tokens, **({"temperature": 0.0} if way == "greedy" else warp)}
             with context():
                 plain = generate(target, prompt.text, seed=seed + index, **options)
-                spec = generate(target, prompt.text, draft=draft, gamma=gamma, seed=seed + index, **options)
+                spec = generate(target, prompt.text, draft=draft, gamma=gamma, seed=seed + index,
+                                **({"adaptive": "cost"} if adaptive else {}), **options)
             entry = totals[way]
             add_pair_runs(entry, plain.timings.decode_s, len(plain.token_ids), spec)
             entry["outputs"].append((prompt.text, plain.token_ids, spec.token_ids, seed + index))
@@ -163,41 +167,56 @@ def compare(target, draft, prompts, ways: dict, gamma: int, tokens: int, warp: d
     return totals
 
 
-def main() -> int:
+def audit(category: str, results: dict) -> bool:
+    """Audit each way's outputs (sampled: by the target's distribution; greedy: speculative
+    equal to plain), print its line, and say whether all passed."""
     from verispec.lab.audit import check_sampled_output, sampled_p_values
+
+    for way, r in results.items():
+        if way == "greedy":
+            r["valid"], tests = r["equal"], "speculative output equal to plain" if r["equal"] else "outputs differ"
+        else:
+            evidence = r.pop("evidence")
+            r["p_values"], r["valid"] = sampled_p_values(evidence), check_sampled_output(evidence).valid
+            tests = ", ".join(f"{name} p = {p:.2g}" for name, p in r["p_values"].items())
+        print(f"  {category:>15} {way:>17}: plain {r['plain_ms_per_token']:.1f} ms/token, speculative "
+              f"{r['spec_ms_per_token']:.1f} ms/token (speed-up {r['speedup']:.2f}x, acceptance "
+              f"{r['acceptance']:.1%}, c = {r['c']:.3f}), {'VALID' if r['valid'] else 'INVALID'} ({tests})")
+    return all(r["valid"] for r in results.values())
+
+
+def main() -> int:
     from verispec.lab.prompts import load_prompts
 
     def more(parser) -> None:
-        parser.add_argument("--against", choices=list(EARLIER_WAYS), default="whole-rows",
-                            help="the earlier way to compare with")
+        parser.add_argument("--against", choices=[*EARLIER_WAYS, "none"], default="whole-rows",
+                            help="the earlier way to compare with, or none")
+        parser.add_argument("--adaptive", action="store_true",
+                            help="speculate with --adaptive (γ at most --gamma): is it ever slower than plain?")
         parser.add_argument("--top-k", type=int, default=0, help="sample from the k most probable tokens only")
         parser.add_argument("--top-p", type=float, default=1.0, help="sample from the nucleus of this mass only")
         parser.add_argument("--no-greedy", action="store_true",
                             help="without greedy decoding on the same prompts (whose c sampling's is set against)")
 
     args = sampled_arguments(__doc__, more=more)
-    ways = {args.against: EARLIER_WAYS[args.against], "now": contextlib.nullcontext}
+    ways = {args.against: EARLIER_WAYS[args.against]} if args.against != "none" else {}
+    ways["now"] = contextlib.nullcontext
     if not args.no_greedy:
         ways["greedy"] = contextlib.nullcontext
     warp = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
-    target, draft, record = load_sampled_pair(args, f"sampled decoding now and the {args.against} way "
-                                              f"(top-k {args.top_k}, top-p {args.top_p})")
-    record.update(top_k=args.top_k, top_p=args.top_p)
-    all_valid, ratios = True, {}
+    title = "sampled decoding" + (f" now and the {args.against} way" if args.against != "none" else "")
+    target, draft, record = load_sampled_pair(args, f"{title} (top-k {args.top_k}, top-p {args.top_p}"
+                                              f"{', --adaptive' if args.adaptive else ''})")
+    record.update(top_k=args.top_k, top_p=args.top_p, adaptive=args.adaptive)
+    all_valid, ratios, never_slower = True, {}, {}
     for category in args.categories:
         prompts = load_prompts(f"spec-bench:{category}", limit=args.prompts)
-        results = compare(target, draft, prompts, ways, args.gamma, args.tokens, warp, args.seed)
-        for way, r in results.items():
-            if way == "greedy":
-                r["valid"], tests = r["equal"], "speculative output equal to plain" if r["equal"] else "outputs differ"
-            else:
-                evidence = r.pop("evidence")
-                r["p_values"], r["valid"] = sampled_p_values(evidence), check_sampled_output(evidence).valid
-                tests = ", ".join(f"{name} p = {p:.2g}" for name, p in r["p_values"].items())
-            all_valid &= r["valid"]
-            print(f"  {category:>15} {way:>17}: plain {r['plain_ms_per_token']:.1f} ms/token, speculative "
-                  f"{r['spec_ms_per_token']:.1f} ms/token (speed-up {r['speedup']:.2f}x, acceptance "
-                  f"{r['acceptance']:.1%}, c = {r['c']:.3f}), {'VALID' if r['valid'] else 'INVALID'} ({tests})")
+        results = compare(target, draft, prompts, ways, args.gamma, args.tokens, warp, args.seed, args.adaptive)
+        all_valid &= audit(category, results)
+        record["categories"][category] = results
+        never_slower[category] = results["now"]["speedup"]
+        if args.against == "none":
+            continue
         old, new = results[args.against], results["now"]
         ratios[category] = {"plain": old["plain_ms_per_token"] / new["plain_ms_per_token"],
                             "speculative": old["spec_ms_per_token"] / new["spec_ms_per_token"],
@@ -206,13 +225,16 @@ def main() -> int:
         print(f"  {category:>15} now against {args.against}: plain {ratios[category]['plain']:.3f}x, "
               f"speculative {ratios[category]['speculative']:.3f}x as fast, speed-up {new['speedup']:.2f}x "
               f"against {old['speedup']:.2f}x; c {new['c']:.3f} against {old['c']:.3f}{greedy}")
-        record["categories"][category] = results
+    if args.adaptive:
+        worst = min(never_slower, key=never_slower.get)
+        print(verdict("5 never slower with --adaptive, sampled", f"worst category {worst}: "
+                      f"{never_slower[worst]:.3f}x of plain (>= 0.95)", never_slower[worst] >= 0.95))
     record["against"] = args.against
     warped = "".join(f"_{name}_{value}" for name, value, plain in (("top_k", args.top_k, 0), ("top_p", args.top_p, 1.0))
                      if value != plain)
-    save(f"sampled_decoding_{args.against.replace('.', '_')}{warped}", record,
-         {"against": args.against, **warp, "prompts": args.prompts,
-          "all_valid": all_valid, "speed_ratio": ratios})
+    save(f"sampled_decoding_{args.against.replace('.', '_')}{warped}{'_adaptive' if args.adaptive else ''}", record,
+         {"against": args.against, **warp, "adaptive": args.adaptive, "prompts": args.prompts,
+          "all_valid": all_valid, "speed_ratio": ratios, "speedup": never_slower})
     return 0 if all_valid else 1
 
 
