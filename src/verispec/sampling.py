@@ -75,7 +75,7 @@ def _warp_with_torch(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        probs = probs / probs.sum(-1, keepdims=True)
+        probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
 
