@@ -41,6 +41,7 @@ from perf_common import add_pair_runs, pair_figures, pair_totals, sampled_eviden
 from sampled_audit import load_sampled_pair, sampled_arguments
 from verispec.sampling import _warp_with_torch
 
+
 def multinomial_draw(weights: torch.Tensor, generator: torch.Generator) -> int:
     """The draw verispec made before `sample`: torch.multinomial over the (normalised) row."""
     row = weights.detach().reshape(-1).cpu().float()
