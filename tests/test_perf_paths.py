@@ -43,6 +43,26 @@ def test_the_kernels_build_where_the_processor_can_run_them():
         assert capable or not built
 
 
+def test_the_softmax_kernel_is_torchs_softmax_at_a_temperature():
+    """softmax_ (the sampler's warp without top-k) on rows of any length, in place: torch's
+    softmax to float32 rounding; ids more than 87 below the maximum after the scale, and -inf
+    ones, exactly 0."""
+    compiled = kernels.cpu_kernels()
+    if compiled is None:
+        pytest.skip("the CPU kernels are not built on this processor")
+    generator = torch.Generator().manual_seed(4)
+    for columns in (2, 7, 8, 17, 4099):
+        for scale in (0.5, 1 / 0.7, 20.0):
+            logits = 4 * torch.randn(3, columns, generator=generator)
+            logits[0, 0] = float("-inf")
+            got = logits.clone()
+            compiled.softmax_(got, scale)
+            scaled = logits * torch.tensor(scale, dtype=torch.float32)  # rounded as the kernel rounds it
+            assert torch.allclose(got, torch.softmax(scaled, -1), rtol=1e-5, atol=1e-37)
+            below = (scaled - scaled.max(-1, keepdim=True).values) < -87
+            assert torch.equal(got == 0, below) and torch.all(got[~below] > 0)
+
+
 @contextlib.contextmanager
 def _plain_path(as_int4_kernel: bool = False):
     """PyTorch's path instead of the kernels. With `as_int4_kernel`, int4 layers that run on

@@ -658,24 +658,38 @@ def test_verifier_with_draft_probabilities_over_columns_is_lossless():
     assert chisquare(counts, expected.tolist()).pvalue > 0.01
 
 
-def test_probabilities_at_a_temperature_are_torch_softmax():
-    """Temperature alone takes NumPy's path on the CPU: the same distribution as torch's softmax
-    (to float32 rounding), rows summing to one, -inf logits at zero; top-k keeps torch's path."""
+@pytest.fixture(params=["kernel", "numpy"])
+def cpu_warp(request):
+    """The CPU warp's softmax in the compiled kernel, or in NumPy (kernels off or not built)."""
+    from verispec import kernels
+    kernels.set_enabled(request.param == "kernel")
+    try:
+        yield request.param
+    finally:
+        kernels.set_enabled(True)
+
+
+@pytest.mark.parametrize("columns", [5000, 5003, 7])
+def test_probabilities_at_a_temperature_are_torch_softmax(cpu_warp, columns):
+    """Temperature alone on the CPU (the kernel's softmax or NumPy's): the same distribution as
+    torch's softmax (to float32 rounding) for rows of any length, rows summing to one, -inf
+    logits at zero, each row warped alone; top-k keeps k ids."""
     from verispec.sampling import SamplingParams, probabilities
-    logits = 3 * torch.randn(3, 5000, generator=torch.Generator().manual_seed(1))
-    logits[1, 10] = float("-inf")
+    logits = 3 * torch.randn(3, columns, generator=torch.Generator().manual_seed(1))
+    logits[1, 5] = float("-inf")
     got = probabilities(logits, SamplingParams(temperature=0.7))
     assert got.dtype == torch.float32 and got.shape == logits.shape
     assert torch.allclose(got, torch.softmax(logits.double() / 0.7, -1).float(), rtol=1e-5, atol=1e-9)
-    assert torch.allclose(got.sum(-1), torch.ones(3)) and got[1, 10] == 0
-    assert torch.equal(probabilities(logits[0], SamplingParams(temperature=0.7)), got[0])
-    top = probabilities(logits, SamplingParams(temperature=0.7, top_k=10))
-    assert int((top[0] > 0).sum()) == 10
+    assert torch.allclose(got.sum(-1), torch.ones(3)) and got[1, 5] == 0
+    assert torch.equal(probabilities(logits[2], SamplingParams(temperature=0.7)), got[2])
+    assert torch.isinf(logits[1, 5])  # the caller's logits are left as they were
+    top = probabilities(logits, SamplingParams(temperature=0.7, top_k=5))
+    assert int((top[0] > 0).sum()) == 5
 
 
 @pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (0, 0.5), (40, 1.0), (40, 0.8), (3000, 0.95), (0, 0.999)])
-def test_the_cpu_warp_keeps_what_torchs_keeps(top_k, top_p):
-    """probabilities() on the CPU (NumPy, top-p sorting only the ids that hold its mass) gives
+def test_the_cpu_warp_keeps_what_torchs_keeps(cpu_warp, top_k, top_p):
+    """probabilities() on the CPU (top-p sorting only the ids that hold its mass) gives
     the distribution of the torch path an accelerator takes, the same ids kept, for logits
     whose nucleus is a few ids or thousands."""
     from verispec.sampling import SamplingParams, _warp_on_one_thread, _warp_with_torch
@@ -688,7 +702,7 @@ def test_the_cpu_warp_keeps_what_torchs_keeps(top_k, top_p):
     assert torch.allclose(got.sum(-1), torch.ones(4))
 
 
-def test_the_cpu_warp_breaks_ties_as_a_sort_may():
+def test_the_cpu_warp_breaks_ties_as_a_sort_may(cpu_warp):
     """Equal logits at top-k's or top-p's edge: top-k keeps every tie of the k-th (as torch's
     masking does); top-p keeps as many of the tied ids as the mass before each allows."""
     from verispec.sampling import SamplingParams, _warp_on_one_thread, _warp_with_torch

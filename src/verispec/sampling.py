@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from verispec.errors import VerispecError
+from verispec.kernels import cpu_kernels
 from verispec.values import is_number, is_whole
 
 # torch.Generator.manual_seed takes any integer that fits in 64 bits, signed or unsigned
@@ -88,7 +89,17 @@ def _warp_on_one_thread(logits: torch.Tensor, params: SamplingParams) -> torch.T
     """The warp of `_warp_with_torch` on the CPU, through NumPy, row by row in one buffer, on
     this thread. A row of the vocabulary is too short to be worth waking torch's second thread
     for, a new tensor per operation faults fresh pages in, and top-p need not sort the whole
-    vocabulary: only the few ids that hold its mass (`benchmarks/overhead.py` times both ways)."""
+    vocabulary: only the few ids that hold its mass (`benchmarks/overhead.py` times both ways).
+    Without top-k, the softmax is the CPU kernels' where they are built: three reads of the row
+    where NumPy's operations take six, and an exp that does not depend on NumPy's build."""
+    kernels = cpu_kernels()
+    if kernels is not None and not (params.top_k and params.top_k < logits.shape[-1]):
+        out = np.array(np.asarray(logits.detach()), dtype=np.float32, order="C")
+        kernels.softmax_(torch.from_numpy(out), 1.0 / params.temperature)
+        if params.top_p < 1.0:
+            for row in out.reshape(-1, out.shape[-1]):
+                _keep_nucleus(row, params.top_p)
+        return torch.from_numpy(out)
     out = np.divide(np.asarray(logits.detach()), np.float32(params.temperature), dtype=np.float32)
     for row in out.reshape(-1, out.shape[-1]):
         ids = None  # the ids top-k keeps, where it applies

@@ -41,6 +41,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <limits>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -560,6 +561,10 @@ inline void store_lanes(float* dst, vfloat v, int first, int count) {
   _mm512_mask_storeu_ps(dst - first, static_cast<__mmask16>(((1u << count) - 1) << first), v);
 }
 inline float vmaxall(vfloat v) { return _mm512_reduce_max_ps(v); }
+// v where z >= floor, else 0 (and 0 where z is NaN)
+inline vfloat vkeep_from(vfloat v, vfloat z, vfloat floor) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(z, floor, _CMP_GE_OQ), v);
+}
 inline vfloat load_bf16(const uint16_t* p) {
   __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
@@ -627,6 +632,7 @@ inline float vmaxall(vfloat v) {
   q = _mm_max_ss(q, _mm_movehdup_ps(q));
   return _mm_cvtss_f32(q);
 }
+inline vfloat vkeep_from(vfloat v, vfloat z, vfloat floor) { return _mm256_and_ps(v, _mm256_cmp_ps(z, floor, _CMP_GE_OQ)); }
 inline vfloat load_bf16(const uint16_t* p) {
   __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
@@ -1749,6 +1755,45 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// softmax(x * scale) of each row of float32 [rows, n], in place: the sampler's warp at
+// temperature 1/scale in three reads of the row (its maximum; exp and sum; the division)
+// where NumPy's and torch's operations take six. Ids more than 87 below the maximum (after
+// the scale) get 0, where exp would give less than 2e-38: masked (-inf) logits stay impossible.
+void softmax_(const at::Tensor& x, double scale) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.is_contiguous() && x.device().is_cpu(),
+              "contiguous float32 CPU rows expected");
+  TORCH_CHECK(scale > 0, "scale must be positive");
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  const float s = static_cast<float>(scale);
+  const vfloat vs = vset1(s), floor = vset1(-87.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = x.data_ptr<float>() + r * n;
+    int64_t i = 0;
+    vfloat best = vset1(-std::numeric_limits<float>::infinity());
+    for (; i + kLanes <= n; i += kLanes) best = vmax(best, vload(row + i));
+    float top = vmaxall(best);
+    for (; i < n; ++i) top = std::max(top, row[i]);
+    const float shift = top * s;  // max(x * s) for s > 0: rounding keeps the order
+    vfloat sums[2] = {vzero(), vzero()};
+    float tail = 0.0f;
+    for (i = 0; i + kLanes <= n; i += kLanes) {
+      const vfloat z = vsub(vmul(vload(row + i), vs), vset1(shift));
+      const vfloat e = vkeep_from(vexp(z), z, floor);
+      vstore(row + i, e);
+      sums[(i / kLanes) & 1] = vadd(sums[(i / kLanes) & 1], e);
+    }
+    for (; i < n; ++i) {
+      const float z = row[i] * s - shift;
+      row[i] = z >= -87.0f ? std::exp(z) : 0.0f;
+      tail += row[i];
+    }
+    const float inverse = 1.0f / (vsum(vadd(sums[0], sums[1])) + tail);
+    const vfloat vinverse = vset1(inverse);
+    for (i = 0; i + kLanes <= n; i += kLanes) vstore(row + i, vmul(vload(row + i), vinverse));
+    for (; i < n; ++i) row[i] *= inverse;
+  }
+}
+
 // RMSNorm of each row: x / sqrt(mean(x^2) + eps) * weight
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: float32 [m, d]");
@@ -2292,6 +2337,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "activations in 16-bit fixed point per group of 32");
   m.def("silu_mul", &silu_mul, "silu(gate) * up for [gate | up] rows");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
+  m.def("softmax_", &softmax_, "softmax(x * scale) of each row, in place", py::arg("x"), py::arg("scale"));
   m.def("attention", &attention, "rotary + cache write + causal attention for a few positions");
   py::class_<Product>(m, "Product", "one projection's kernel bound to its weights: product(x, residual=None)")
       .def(py::init<const std::string&, std::vector<at::Tensor>, c10::optional<at::Tensor>>(),
