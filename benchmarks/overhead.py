@@ -12,7 +12,9 @@ of Qwen2.5's 151,936 logits, by torch.argmax and by verispec's `greedy_tokens` (
 taking turns, at the usual thread count; the draw of a sampled token from those
 probabilities, by torch.multinomial and by verispec's `sample` (an inverse-CDF search); and
 the warp that makes probabilities of logits (temperature, top-p, top-k), by torch's
-operations and by verispec's CPU path (NumPy, top-p sorting only the ids that hold its mass).
+operations and by verispec's CPU path (the compiled kernel's softmax where no top-k applies,
+top-p sorting only the ids that hold its mass), and by that path with the kernels off (the
+softmax in NumPy's operations).
 
 And the text every token adds to a streamed output (`TextAssembler`, with a byte-level
 tokenizer): its cost per token at 256 and at 4,096 tokens of output, against one decode
@@ -104,7 +106,7 @@ WARPS = {"temperature 0.7": ({"temperature": 0.7}, "zipf"),
 def warp_times(vocab: int = 151_936, calls: int = 50, rounds: int = 5) -> dict[str, dict[str, float]]:
     """Per warp of WARPS, the median over rounds of the mean seconds per row of the warp
     (sampling.probabilities) on one row of logits: torch's operations (the accelerator path)
-    against the CPU path. `zipf` logits have a nucleus of a few hundred ids; `normal` ones
+    against the CPU path ("cpu") and the CPU path with the kernels off ("numpy"). `zipf` logits have a nucleus of a few hundred ids; `normal` ones
     (3 times a standard normal) one of tens of thousands, where top-p's head search grows."""
     from verispec.sampling import SamplingParams, _warp_with_torch, probabilities
 
@@ -114,8 +116,20 @@ def warp_times(vocab: int = 151_936, calls: int = 50, rounds: int = 5) -> dict[s
     for name, (warp, shape) in WARPS.items():
         params, logits = SamplingParams(**warp), shapes[shape]
         times[name] = taking_turns({"torch": lambda: _warp_with_torch(logits, params),
-                                    "numpy": lambda: probabilities(logits, params)}, calls, rounds)
+                                    "cpu": lambda: probabilities(logits, params),
+                                    "numpy": lambda: kernels_off(probabilities, logits, params)}, calls, rounds)
     return times
+
+
+def kernels_off(function, *args):
+    """function(*args) with verispec's compiled CPU kernels switched off."""
+    from verispec import kernels
+
+    kernels.set_enabled(False)
+    try:
+        return function(*args)
+    finally:
+        kernels.set_enabled(True)
 
 
 def taking_turns(ways: dict, calls: int, rounds: int) -> dict[str, float]:
@@ -246,7 +260,8 @@ def main() -> int:
     warps = warp_times(calls=10 if args.quick else 50, rounds=2 if args.quick else 5)
     for name, warp in warps.items():
         print(f"  warp of 151,936 logits, {name}, {threads} threads: torch {warp['torch'] * 1e6:.1f} µs, "
-              f"NumPy {warp['numpy'] * 1e6:.1f} µs ({warp['torch'] / warp['numpy']:.1f}x less)")
+              f"verispec {warp['cpu'] * 1e6:.1f} µs ({warp['torch'] / warp['cpu']:.1f}x less; "
+              f"{warp['numpy'] * 1e6:.1f} µs with the kernels off)")
     text = text_times(rounds=2 if args.quick else 5)
     print(f"  streamed text per token: {text['add@256'] * 1e6:.1f} µs at 256 tokens, {text['add@4096'] * 1e6:.1f} µs "
           f"at 4,096; decoding the whole 4,096-token output once: {text['whole@4096'] * 1e6:.1f} µs")
