@@ -1351,14 +1351,16 @@ def test_sampled_decoding_compares_each_earlier_way_and_puts_the_engine_back(fol
     assert totals["greedy"]["equal"] and "evidence" not in totals["greedy"]
 
 
-def test_overhead_times_each_warp_both_ways(monkeypatch):
-    """benchmarks/overhead.py's warp timings run on a small vocabulary: each warp, both ways."""
+def test_overhead_times_each_warp_every_way(monkeypatch):
+    """benchmarks/overhead.py's warp timings run on a small vocabulary: each warp, every way
+    (torch's, the CPU path's, and the CPU path's with the kernels off, which are left on after)."""
     import importlib
 
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     overhead = importlib.import_module("overhead")
     times = overhead.warp_times(vocab=4096, calls=2, rounds=1)
     assert set(times) == set(overhead.WARPS)
-    assert all(set(way) == {"torch", "numpy"} and min(way.values()) > 0 for way in times.values())
+    assert all(set(way) == {"torch", "cpu", "numpy"} and min(way.values()) > 0 for way in times.values())
+    assert kernels.enabled()
     logits = overhead.zipf_logits(4096, torch.Generator().manual_seed(0))
     assert sorted(logits.tolist(), reverse=True)[:2] == pytest.approx([0.0, -1.1 * math.log(2)], abs=1e-6)
