@@ -41,7 +41,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <limits>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -1755,45 +1754,6 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-// softmax(x * scale) of each row of float32 [rows, n], in place: the sampler's warp at
-// temperature 1/scale in three reads of the row (its maximum; exp and sum; the division)
-// where NumPy's and torch's operations take six. Ids more than 87 below the maximum (after
-// the scale) get 0, where exp would give less than 2e-38: masked (-inf) logits stay impossible.
-void softmax_(const at::Tensor& x, double scale) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.is_contiguous() && x.device().is_cpu(),
-              "contiguous float32 CPU rows expected");
-  TORCH_CHECK(scale > 0, "scale must be positive");
-  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
-  const float s = static_cast<float>(scale);
-  const vfloat vs = vset1(s), floor = vset1(-87.0f);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* row = x.data_ptr<float>() + r * n;
-    int64_t i = 0;
-    vfloat best = vset1(-std::numeric_limits<float>::infinity());
-    for (; i + kLanes <= n; i += kLanes) best = vmax(best, vload(row + i));
-    float top = vmaxall(best);
-    for (; i < n; ++i) top = std::max(top, row[i]);
-    const float shift = top * s;  // max(x * s) for s > 0: rounding keeps the order
-    vfloat sums[2] = {vzero(), vzero()};
-    float tail = 0.0f;
-    for (i = 0; i + kLanes <= n; i += kLanes) {
-      const vfloat z = vsub(vmul(vload(row + i), vs), vset1(shift));
-      const vfloat e = vkeep_from(vexp(z), z, floor);
-      vstore(row + i, e);
-      sums[(i / kLanes) & 1] = vadd(sums[(i / kLanes) & 1], e);
-    }
-    for (; i < n; ++i) {
-      const float z = row[i] * s - shift;
-      row[i] = z >= -87.0f ? std::exp(z) : 0.0f;
-      tail += row[i];
-    }
-    const float inverse = 1.0f / (vsum(vadd(sums[0], sums[1])) + tail);
-    const vfloat vinverse = vset1(inverse);
-    for (i = 0; i + kLanes <= n; i += kLanes) vstore(row + i, vmul(vload(row + i), vinverse));
-    for (; i < n; ++i) row[i] *= inverse;
-  }
-}
-
 // RMSNorm of each row: x / sqrt(mean(x^2) + eps) * weight
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x: float32 [m, d]");
@@ -2317,6 +2277,47 @@ struct DecoderStack {
 };
 
 }  // namespace
+
+// ------------------------------------------------------------------ sampling
+
+// softmax(x * scale) of each row of float32 [rows, n], in place: the sampler's warp at
+// temperature 1/scale in three reads of the row (its maximum; exp and sum; the division)
+// where NumPy's and torch's operations take six. Ids more than 87 below the maximum (after
+// the scale) get 0, where exp would give less than 2e-38: masked (-inf) logits stay impossible.
+void softmax_(const at::Tensor& x, double scale) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.is_contiguous() && x.device().is_cpu(),
+              "contiguous float32 CPU rows expected");
+  TORCH_CHECK(scale > 0, "scale must be positive");
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  const float s = static_cast<float>(scale);
+  const vfloat vs = vset1(s), floor = vset1(-87.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = x.data_ptr<float>() + r * n;
+    int64_t i = 0;
+    vfloat best = vset1(-INFINITY);
+    for (; i + kLanes <= n; i += kLanes) best = vmax(best, vload(row + i));
+    float top = vmaxall(best);
+    for (; i < n; ++i) top = std::max(top, row[i]);
+    const float shift = top * s;  // max(x * s) for s > 0: rounding keeps the order
+    vfloat sums[2] = {vzero(), vzero()};
+    float tail = 0.0f;
+    for (i = 0; i + kLanes <= n; i += kLanes) {
+      const vfloat z = vsub(vmul(vload(row + i), vs), vset1(shift));
+      const vfloat e = vkeep_from(vexp(z), z, floor);
+      vstore(row + i, e);
+      sums[(i / kLanes) & 1] = vadd(sums[(i / kLanes) & 1], e);
+    }
+    for (; i < n; ++i) {
+      const float z = row[i] * s - shift;
+      row[i] = z >= -87.0f ? std::exp(z) : 0.0f;
+      tail += row[i];
+    }
+    const float inverse = 1.0f / (vsum(vadd(sums[0], sums[1])) + tail);
+    const vfloat vinverse = vset1(inverse);
+    for (i = 0; i + kLanes <= n; i += kLanes) vstore(row + i, vmul(vload(row + i), vinverse));
+    for (; i < n; ++i) row[i] *= inverse;
+  }
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_float", &linear_float, "x @ w.T (+ bias) (+ residual) for float32/bfloat16/float16 w");
