@@ -105,9 +105,10 @@ WARPS = {"temperature 0.7": ({"temperature": 0.7}, "zipf"),
 
 def warp_times(vocab: int = 151_936, calls: int = 50, rounds: int = 5) -> dict[str, dict[str, float]]:
     """Per warp of WARPS, the median over rounds of the mean seconds per row of the warp
-    (sampling.probabilities) on one row of logits: torch's operations (the accelerator path)
-    against the CPU path ("cpu") and the CPU path with the kernels off ("numpy"). `zipf` logits have a nucleus of a few hundred ids; `normal` ones
-    (3 times a standard normal) one of tens of thousands, where top-p's head search grows."""
+    (sampling.probabilities) on one row of logits: torch's operations (the accelerator path),
+    the CPU path ("cpu") and the CPU path with the kernels off ("numpy"). `zipf` logits have a
+    nucleus of a few hundred ids; `normal` ones (3 times a standard normal) one of tens of
+    thousands, where top-p's head search grows."""
     from verispec.sampling import SamplingParams, _warp_with_torch, probabilities
 
     generator = torch.Generator().manual_seed(0)

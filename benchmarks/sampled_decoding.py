@@ -17,9 +17,9 @@ drafts. The earlier ways, each measured against the engine as it is:
   top-k by torch.topk, top-p by sorting the whole vocabulary), for all γ + 1 rows of a
   verification pass whether or not a rejection leaves them unread; each draft token drawn
   from, and each residual taken over, a row of the whole vocabulary. verispec now computes the
-  target's rows one at a time as the drafts are looked at, on one thread (top-p
-  sorting only the most probable ids that hold its mass), and the draft's over its own columns
-  (the default draft vocabulary's 32,768 ids and the context's).
+  target's rows one at a time as the drafts are looked at, on one thread (top-p sorting only
+  the most probable ids that hold its mass), and the draft's over its own columns (the default
+  draft vocabulary's 32,768 ids and the context's).
 
 For each prompt this runs plain sampled decoding and speculative sampled decoding each way,
 one after the other, and reports time per token as ratios within the run; the draft's c is

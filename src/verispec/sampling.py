@@ -86,12 +86,13 @@ NUCLEUS_FLOORS = (1e-3, 1e-5, 0.0)
 
 
 def _warp_on_one_thread(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The warp of `_warp_with_torch` on the CPU, through NumPy, row by row in one buffer, on
-    this thread. A row of the vocabulary is too short to be worth waking torch's second thread
-    for, a new tensor per operation faults fresh pages in, and top-p need not sort the whole
-    vocabulary: only the few ids that hold its mass (`benchmarks/overhead.py` times the ways).
-    Without top-k, the softmax is the CPU kernels' where they are built: three reads of the row
-    where NumPy's operations take six, and an exp that does not depend on NumPy's build."""
+    """The warp of `_warp_with_torch` on the CPU, row by row in one buffer, on this thread,
+    through NumPy and the CPU kernels' softmax. A row of the vocabulary is too short to be
+    worth waking torch's second thread for, a new tensor per operation faults fresh pages in,
+    and top-p need not sort the whole vocabulary: only the few ids that hold its mass
+    (`benchmarks/overhead.py` times the ways). Without top-k, the softmax is the kernels' where
+    they are built: three reads of the row where NumPy's operations take six, and an exp that
+    does not depend on NumPy's build."""
     kernels = cpu_kernels()
     if kernels is not None and not (params.top_k and params.top_k < logits.shape[-1]):
         out = np.array(np.asarray(logits.detach()), dtype=np.float32, order="C")
