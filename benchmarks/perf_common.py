@@ -58,6 +58,19 @@ _BUFFERS: dict[int, torch.Tensor] = {}
 SHORT_PREFETCH = (512, 1536)
 
 
+def last_level_cache(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """Bytes of the largest cache level the system reports for CPU 0 (0 where it reports none)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    found = (0, 0)
+    for index in caches.glob("index*"):
+        try:
+            level, size = int((index / "level").read_text()), (index / "size").read_text().strip()
+            found = max(found, (level, int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found[1]
+
+
 def read_bandwidth(gib: float = 1.0, repeats: int = 5, keep: bool = False) -> float:
     """The machine's read bandwidth in bytes/s: the best of torch.sum and the kernels'
     own streaming sum (plain, fetching ahead, and two streams per thread, as the weight

@@ -1364,3 +1364,23 @@ def test_overhead_times_each_warp_every_way(monkeypatch):
     assert kernels.enabled()
     logits = overhead.zipf_logits(4096, torch.Generator().manual_seed(0))
     assert sorted(logits.tolist(), reverse=True)[:2] == pytest.approx([0.0, -1.1 * math.log(2)], abs=1e-6)
+
+
+def test_read_bandwidth_by_buffer_size_and_the_last_level_cache(monkeypatch, tmp_path):
+    """perf_common reads the largest cache level from sysfs' layout; read_bandwidth.py's
+    sizes each get a figure every round."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    perf_common = importlib.import_module("perf_common")
+    for name, level, size in (("index0", 1, "48K"), ("index2", 2, "2048K"), ("index3", 3, "266240K")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "level").write_text(f"{level}\n")
+        (tmp_path / name / "size").write_text(f"{size}\n")
+    assert perf_common.last_level_cache(tmp_path) == 266240 << 10
+    assert perf_common.last_level_cache(tmp_path / "none") == 0
+
+    read_bandwidth = importlib.import_module("read_bandwidth")
+    seen = read_bandwidth.by_size([1 / 512, 1 / 256], rounds=2, repeats=1)
+    assert set(seen) == {1 / 512, 1 / 256}
+    assert all(len(rates) == 2 and min(rates) > 0 for rates in seen.values())
