@@ -398,8 +398,11 @@ def test_injected_output_mismatch_is_invalid(loaded, monkeypatch):
     monkeypatch.setattr(engine, "verify_greedy", trusting_verifier)
     records = run_bench(loaded, ["other"], settings=small_settings())
     spec_runs = [r for r in records if r["spec"]]
-    assert spec_runs and all(r["audit"]["status"] == audit.INVALID for r in spec_runs)
+    assert spec_runs and all(r["audit"]["output"]["status"] == audit.INVALID for r in spec_runs)
     assert all(r["audit"]["output"]["margin"] > 1e-3 for r in spec_runs)  # a real difference, no tie
+    # refused as a whole; on a busy machine a tiny baseline's few milliseconds can also make
+    # the run's speed-up impossible, the worse verdict
+    assert all(r["audit"]["status"] in (audit.INVALID, audit.IMPOSSIBLE) for r in spec_runs)
     rows = report.summarize(records)
     assert rows[0].verdict.status == audit.INVALID and rows[0].speedup is None  # left out of the speed-up
 
