@@ -126,11 +126,8 @@ def kernels_off(function, *args):
     """function(*args) with verispec's compiled CPU kernels switched off."""
     from verispec import kernels
 
-    kernels.set_enabled(False)
-    try:
+    with kernels.switched_off():
         return function(*args)
-    finally:
-        kernels.set_enabled(True)
 
 
 def taking_turns(ways: dict, calls: int, rounds: int) -> dict[str, float]:

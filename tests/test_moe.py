@@ -380,11 +380,8 @@ def test_packed_experts_give_the_same_function_without_the_kernels(saved, fmt):
     with torch.inference_mode():
         for expert in range(NUM_EXPERTS):
             fast = experts(x, expert)
-            kernels.set_enabled(False)
-            try:
+            with kernels.switched_off():
                 plain = experts(x, expert)
-            finally:
-                kernels.set_enabled(True)
             assert (plain - fast).abs().max() <= 1e-5 * fast.abs().max()
 
 
@@ -420,11 +417,8 @@ def test_attention_runs_on_the_kernel_with_the_function_of_pytorchs(saved, case,
     with torch.inference_mode():
         fast = model(IDS, model.new_cache(16))
         assert len(calls) == model.config.num_hidden_layers
-        kernels.set_enabled(False)
-        try:
+        with kernels.switched_off():
             plain = model(IDS, model.new_cache(16))
-        finally:
-            kernels.set_enabled(True)
     assert len(calls) == model.config.num_hidden_layers  # not on PyTorch's path
     assert (plain - fast).abs().max() <= 1e-4 * plain.abs().max()
 

@@ -43,13 +43,25 @@ def test_the_kernels_build_where_the_processor_can_run_them():
         assert capable or not built
 
 
+def test_the_kernels_switched_off_for_a_block_come_back_as_they_were():
+    assert kernels.enabled()
+    with kernels.switched_off():
+        assert not kernels.enabled()
+        with kernels.switched_off():
+            assert not kernels.enabled()
+        assert not kernels.enabled()  # an inner block leaves them off for the outer one
+    assert kernels.enabled()
+    with pytest.raises(RuntimeError), kernels.switched_off():
+        raise RuntimeError
+    assert kernels.enabled()
+
+
+@needs_kernels
 def test_the_softmax_kernel_is_torchs_softmax_at_a_temperature():
     """softmax_ (the sampler's warp without top-k) on rows of any length, in place: torch's
     softmax to float32 rounding; ids more than 87 below the maximum after the scale, and -inf
     ones, exactly 0."""
     compiled = kernels.cpu_kernels()
-    if compiled is None:
-        pytest.skip("the CPU kernels are not built on this processor")
     generator = torch.Generator().manual_seed(4)
     for columns in (2, 7, 8, 17, 4099):
         for scale in (0.5, 1 / 0.7, 20.0):
@@ -69,17 +81,16 @@ def _plain_path(as_int4_kernel: bool = False):
     the int4 panel kernel (those in its panel layout) first round their activations to int8 as that
     kernel does, so the two paths compute the same function and differ only in float32
     rounding; elsewhere this changes nothing."""
-    kernels.set_enabled(False)
     patch = pytest.MonkeyPatch()
     if as_int4_kernel:
         exact = Int4Linear.torch_product
         patch.setattr(Int4Linear, "torch_product",
                       lambda self, rows: exact(self, round_activations(rows) if self.panels is not None else rows))
     try:
-        yield
+        with kernels.switched_off():
+            yield
     finally:
         patch.undo()
-        kernels.set_enabled(True)
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +106,7 @@ _load = tiny.load_as
 def _plain_reference(folder, fmt):
     """The same weights on the PyTorch path. bfloat16 weights run in float32 on the fast
     path, so their reference is the float32 model with every weight rounded to bfloat16."""
-    kernels.set_enabled(False)
-    try:
+    with kernels.switched_off():
         if fmt != "bfloat16":
             return _load(folder, fmt)
         reference = load_model(folder)
@@ -104,8 +114,6 @@ def _plain_reference(folder, fmt):
             for p in reference.model.parameters():
                 p.copy_(p.to(torch.bfloat16).float())
         return reference
-    finally:
-        kernels.set_enabled(True)
 
 
 @needs_kernels
@@ -877,12 +885,9 @@ def test_tied_float_output_layer_holds_the_only_copy_of_the_table(tmp_path, monk
     assert second.info.get("gguf_metadata_keys", 0) == 0
     assert isinstance(second.model.model.embed_tokens, TiedEmbedding)
     assert generate(second, PROMPT, max_tokens=12, ignore_eos=True).token_ids == a.token_ids
-    kernels.set_enabled(False)
-    try:  # the plain PyTorch path over the same table gives the same tokens
+    with kernels.switched_off():  # the plain PyTorch path over the same table gives the same tokens
         plain = load_model(tmp_path / "hf", weights="float32")
         assert generate(plain, PROMPT, max_tokens=12, ignore_eos=True).token_ids == a.token_ids
-    finally:
-        kernels.set_enabled(True)
 
 def test_gpu_benchmark_runs_on_the_cpu_at_toy_sizes(tmp_path):
     out = tmp_path / "gpu.json"

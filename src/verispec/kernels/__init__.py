@@ -7,12 +7,13 @@ build fails (a one-line warning says why), or when tensors are not on the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import platform
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -29,6 +30,17 @@ def set_enabled(flag: bool) -> None:
 
 def enabled() -> bool:
     return _enabled
+
+
+@contextlib.contextmanager
+def switched_off() -> Iterator[None]:
+    """The plain PyTorch path within the block; the kernels' state before it after."""
+    before = _enabled
+    set_enabled(False)
+    try:
+        yield
+    finally:
+        set_enabled(before)
 
 
 def _cpu_signature() -> str:
