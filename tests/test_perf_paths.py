@@ -1373,7 +1373,7 @@ def test_overhead_times_each_warp_every_way(monkeypatch):
 
 def test_read_bandwidth_by_buffer_size_and_the_last_level_cache(monkeypatch, tmp_path):
     """perf_common reads the largest cache level from sysfs' layout; read_bandwidth.py's
-    sizes each get a figure every round."""
+    sizes and thread counts each get a figure every round."""
     import importlib
 
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
@@ -1389,3 +1389,8 @@ def test_read_bandwidth_by_buffer_size_and_the_last_level_cache(monkeypatch, tmp
     seen = read_bandwidth.by_size([1 / 512, 1 / 256], rounds=2, repeats=1)
     assert set(seen) == {1 / 512, 1 / 256}
     assert all(len(rates) == 2 and min(rates) > 0 for rates in seen.values())
+    threads = torch.get_num_threads()
+    by_count = read_bandwidth.by_threads([1, 2], 1 / 512, rounds=2, repeats=1)
+    assert set(by_count) == {1, 2}
+    assert all(len(rates) == 2 and min(rates) > 0 for rates in by_count.values())
+    assert torch.get_num_threads() == threads  # the thread count is put back
