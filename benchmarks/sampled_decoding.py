@@ -4,6 +4,7 @@
     python benchmarks/sampled_decoding.py --categories all --prompts 2
     python benchmarks/sampled_decoding.py --top-p 0.95             # with a nucleus
     python benchmarks/sampled_decoding.py --against torch.multinomial
+    python benchmarks/sampled_decoding.py --against numpy-warp --top-k 50
     python benchmarks/sampled_decoding.py --against none --adaptive --gamma 8 --categories all
 
 Every sampled token is drawn from a row of probabilities over the vocabulary (Qwen2.5's has
@@ -20,6 +21,10 @@ drafts. The earlier ways, each measured against the engine as it is:
   target's rows one at a time as the drafts are looked at, on one thread (top-p sorting only
   the most probable ids that hold its mass), and the draft's over its own columns (the default
   draft vocabulary's 32,768 ids and the context's).
+- `numpy-warp`: the same rows, warped on one thread by NumPy's operations (softmax; top-k by
+  np.partition; top-p sorting the ids above a floor found by a comparison over the row), as
+  where the CPU kernels are not built; verispec warps them with the kernels' softmax_,
+  top_k_ and nucleus_ (`benchmarks/overhead.py` times the two on one row).
 
 For each prompt this runs plain sampled decoding and speculative sampled decoding each way,
 one after the other, and reports time per token as ratios within the run; the draft's c is
@@ -129,7 +134,22 @@ def over_whole_rows():
         sampling.probabilities, draft_model.probabilities, engine.verify_sampling, proposer._draw = saved
 
 
-EARLIER_WAYS = {"whole-rows": over_whole_rows, "torch.multinomial": drawing_with_multinomial}
+@contextlib.contextmanager
+def warping_with_numpy():
+    """Within the block, the CPU warp runs as where the kernels are not built (NumPy's
+    operations); every other kernel stays."""
+    import verispec.sampling as sampling
+
+    saved = sampling.cpu_kernels
+    sampling.cpu_kernels = lambda: None
+    try:
+        yield
+    finally:
+        sampling.cpu_kernels = saved
+
+
+EARLIER_WAYS = {"whole-rows": over_whole_rows, "torch.multinomial": drawing_with_multinomial,
+                "numpy-warp": warping_with_numpy}
 
 
 def compare(target, draft, prompts, ways: dict, gamma: int, tokens: int, warp: dict, seed: int = 0,

@@ -75,6 +75,70 @@ def test_the_softmax_kernel_is_torchs_softmax_at_a_temperature():
             assert torch.equal(got == 0, below) and torch.all(got[~below] > 0)
 
 
+@needs_kernels
+def test_the_top_k_kernel_is_a_softmax_over_the_k_largest():
+    """top_k_ (the sampler's warp with top-k) on rows of any length: torch's softmax over the
+    ids of at least the k-th largest scaled logit, ties with it kept, every other id exactly 0;
+    -inf logits stay impossible; k may be the whole row or one id."""
+    compiled = kernels.cpu_kernels()
+    generator = torch.Generator().manual_seed(6)
+    for columns in (7, 16, 61, 5003):
+        for k in sorted({1, 3, min(50, columns), columns}):
+            for scale in (1.0, 1 / 0.7):
+                logits = 4 * torch.randn(3, columns, generator=generator)
+                logits[0, 1] = float("-inf")
+                logits[1, :6] = logits[1].max() + 1  # six ties at the top: k of 1 or 3 keeps all six
+                got = logits.clone()
+                compiled.top_k_(got, scale, k)
+                scaled = logits * torch.tensor(scale, dtype=torch.float32)
+                kth = scaled.topk(k, -1).values[:, -1:]
+                expected = torch.softmax(scaled.masked_fill(scaled < kth, float("-inf")), -1)
+                assert torch.equal(got > 0, expected > 0), (columns, k, scale)
+                assert torch.allclose(got, expected, rtol=1e-5, atol=0)
+                if k < 6:
+                    assert int((got[1] > 0).sum()) == 6  # the tied ids all stay
+                assert got[0, 1] == 0
+    with pytest.raises(RuntimeError, match="k must be"):
+        compiled.top_k_(torch.zeros(1, 5), 1.0, 6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", ["peaked", "middle", "flat", "ties"])
+def test_the_nucleus_kernel_keeps_what_the_numpy_nucleus_keeps(shape):
+    """nucleus_ (top-p after the kernels' softmax) against sampling._keep_nucleus on the same
+    probabilities: the same ids kept, for a nucleus of a few ids (above the first floor), of
+    ids between 1e-5 and 1e-3, of every id (flat rows: no floor holds top_p), and of tied ids at
+    its edge; their probabilities renormalised alike, every other id exactly 0."""
+    from verispec.sampling import _keep_nucleus
+
+    compiled = kernels.cpu_kernels()
+    generator = torch.Generator().manual_seed(5)
+    columns = 5003
+    logits = {"peaked": 6 * torch.randn(3, columns, generator=generator),
+              "middle": 0.05 * torch.randn(3, columns, generator=generator) + torch.tensor([0.0, 3.0, 6.0])[:, None] * (
+                  torch.arange(columns) < 40),
+              "flat": 1e-3 * torch.randn(3, 150_000, generator=generator),  # each id under 1e-5
+              "ties": torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0, -2.0] * 3]).repeat(3, 1)}[shape]
+    probs = torch.softmax(logits, -1)
+    if shape == "middle":
+        assert 1e-5 < probs[0].min() and probs[0].max() < 1e-3  # every id between the floors
+    if shape == "flat":
+        assert probs.max() < 1e-5
+    for top_p in (0.05, 0.5, 0.9, 0.97, 0.999):
+        got = probs.clone()
+        compiled.nucleus_(got, top_p)
+        expected = probs.clone().numpy()
+        for row in expected:
+            _keep_nucleus(row, top_p)
+        expected = torch.from_numpy(expected)
+        assert torch.equal(got > 0, expected > 0), (shape, top_p)
+        assert torch.allclose(got, expected, rtol=1e-6, atol=0)
+        assert torch.allclose(got.sum(-1), torch.ones(3))
+        assert torch.all((got > 0).sum(-1) >= 1)
+    with pytest.raises(RuntimeError, match="top_p"):
+        compiled.nucleus_(probs.clone(), 0.0)
+
+
 @contextlib.contextmanager
 def _plain_path(as_int4_kernel: bool = False):
     """PyTorch's path instead of the kernels. With `as_int4_kernel`, int4 layers that run on
@@ -1322,7 +1386,7 @@ def test_sampled_audit_passes_lossless_sampling_and_refuses_a_verifier_that_keep
 def test_sampled_decoding_compares_each_earlier_way_and_puts_the_engine_back(folder, tmp_path, monkeypatch):
     """benchmarks/sampled_decoding.py on tiny models: each earlier way and the engine's decode,
     follow the target's distribution and are timed per token; what a way replaces (the draw,
-    the warp, the verifier, the draft's draw) is back in place afterwards."""
+    the warp, the warp's kernels, the verifier, the draft's draw) is back in place afterwards."""
     import importlib
 
     import verispec.generate as engine
@@ -1343,15 +1407,19 @@ def test_sampled_decoding_compares_each_earlier_way_and_puts_the_engine_back(fol
         assert sampling.sample is verifier.sample is sampled_decoding.multinomial_draw
     with sampled_decoding.over_whole_rows():
         assert engine.verify_sampling is sampled_decoding.verify_over_whole_rows
+    with sampled_decoding.warping_with_numpy():
+        assert sampling.cpu_kernels() is None  # the warp's kernels only: the model's stay
+        assert sampling.cpu_kernels is not kernels.cpu_kernels
+    assert sampling.cpu_kernels is kernels.cpu_kernels
     ways = {**sampled_decoding.EARLIER_WAYS, "now": contextlib.nullcontext, "greedy": contextlib.nullcontext}
     warp = {"temperature": 0.8, "top_k": 0, "top_p": 0.9}
     totals = sampled_decoding.compare(target, draft, prompts, ways, gamma=3, tokens=24, warp=warp)
     assert (sampling.sample, verifier.sample, sampling.probabilities, draft_model.probabilities,
             engine.verify_sampling, draft_model.DraftModelProposer._draw) == engine_parts
-    assert set(totals) == {"whole-rows", "torch.multinomial", "now", "greedy"}
+    assert set(totals) == {"whole-rows", "torch.multinomial", "numpy-warp", "now", "greedy"}
     for way in totals.values():
         assert way["plain_steps"] > 0 and way["spec_steps"] > 0 and way["speedup"] > 0 and way["c"] > 0
-    for name in ("whole-rows", "torch.multinomial", "now"):
+    for name in ("whole-rows", "torch.multinomial", "numpy-warp", "now"):
         assert len(totals[name]["evidence"]) == 4 and check_sampled_output(totals[name]["evidence"]).valid
     assert totals["greedy"]["equal"] and "evidence" not in totals["greedy"]
 

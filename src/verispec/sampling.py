@@ -87,20 +87,24 @@ NUCLEUS_FLOORS = (1e-3, 1e-5, 0.0)
 
 def _warp_on_one_thread(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The warp of `_warp_with_torch` on the CPU, row by row in one buffer, on this thread,
-    through NumPy and the CPU kernels' softmax. A row of the vocabulary is too short to be
+    through the CPU kernels (NumPy where they are not built). A row of the vocabulary is too short to be
     worth waking torch's second thread for, a new tensor per operation faults fresh pages in,
     and top-p need not sort the whole vocabulary: only the few ids that hold its mass
-    (`benchmarks/overhead.py` times the ways). Without top-k, the softmax is the kernels' where
-    they are built: three reads of the row where NumPy's operations take six, and an exp that
-    does not depend on NumPy's build."""
+    (`benchmarks/overhead.py` times the ways). Where the kernels are built the warp is theirs:
+    a softmax in three reads of the row where NumPy's operations take six, with an exp that
+    does not depend on NumPy's build; top-k's k-th largest from a heap that most of the row
+    passes by, where NumPy's partition moves the whole row; top-p's search for the ids above
+    its floor in one comparison per 16 ids."""
     kernels = cpu_kernels()
-    if kernels is not None and not (params.top_k and params.top_k < logits.shape[-1]):
-        out = np.array(np.asarray(logits.detach()), dtype=np.float32, order="C")
-        kernels.softmax_(torch.from_numpy(out), 1.0 / params.temperature)
+    if kernels is not None:
+        rows = torch.from_numpy(np.array(np.asarray(logits.detach()), dtype=np.float32, order="C"))
+        if params.top_k and params.top_k < rows.shape[-1]:
+            kernels.top_k_(rows, 1.0 / params.temperature, params.top_k)
+        else:
+            kernels.softmax_(rows, 1.0 / params.temperature)
         if params.top_p < 1.0:
-            for row in out.reshape(-1, out.shape[-1]):
-                _keep_nucleus(row, params.top_p)
-        return torch.from_numpy(out)
+            kernels.nucleus_(rows, params.top_p)
+        return rows
     out = np.divide(np.asarray(logits.detach()), np.float32(params.temperature), dtype=np.float32)
     for row in out.reshape(-1, out.shape[-1]):
         ids = None  # the ids top-k keeps, where it applies

@@ -564,6 +564,8 @@ inline float vmaxall(vfloat v) { return _mm512_reduce_max_ps(v); }
 inline vfloat vkeep_from(vfloat v, vfloat z, vfloat floor) {
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(z, floor, _CMP_GE_OQ), v);
 }
+// bit i set where v[i] >= floor
+inline uint32_t vmask_at_least(vfloat v, vfloat floor) { return _mm512_cmp_ps_mask(v, floor, _CMP_GE_OQ); }
 inline vfloat load_bf16(const uint16_t* p) {
   __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
@@ -632,6 +634,9 @@ inline float vmaxall(vfloat v) {
   return _mm_cvtss_f32(q);
 }
 inline vfloat vkeep_from(vfloat v, vfloat z, vfloat floor) { return _mm256_and_ps(v, _mm256_cmp_ps(z, floor, _CMP_GE_OQ)); }
+inline uint32_t vmask_at_least(vfloat v, vfloat floor) {
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(v, floor, _CMP_GE_OQ)));
+}
 inline vfloat load_bf16(const uint16_t* p) {
   __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
@@ -2319,6 +2324,103 @@ void softmax_(const at::Tensor& x, double scale) {
   }
 }
 
+// The ids i of `row` where row[i] * scale >= floor, in increasing order.
+void ids_at_least(const float* row, int64_t n, float floor, std::vector<int32_t>& ids, float scale = 1.0f) {
+  ids.clear();
+  const vfloat vfloor = vset1(floor), vscale = vset1(scale);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)  // most blocks hold none: one comparison each
+    for (uint32_t mask = vmask_at_least(vmul(vload(row + i), vscale), vfloor); mask; mask &= mask - 1)
+      ids.push_back(static_cast<int32_t>(i + __builtin_ctz(mask)));
+  for (; i < n; ++i)
+    if (row[i] * scale >= floor) ids.push_back(static_cast<int32_t>(i));
+}
+
+// softmax(x * scale) over the k largest of each row of float32 [rows, n], in place; every
+// other id 0. Ids tied with the k-th largest stay (as the NumPy path's masking keeps them).
+// The k-th largest comes from a heap of the k largest so far, which most blocks of the row
+// pass by with one comparison against its least, where NumPy's partition moves the whole row.
+void top_k_(const at::Tensor& x, double scale, int64_t k) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.is_contiguous() && x.device().is_cpu(),
+              "contiguous float32 CPU rows expected");
+  TORCH_CHECK(scale > 0, "scale must be positive");
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  TORCH_CHECK(k >= 1 && k <= n, "k must be in [1, ", n, "], not ", k);
+  const float s = static_cast<float>(scale);
+  std::vector<float> heap;  // the k largest scaled values so far, the least on top
+  std::vector<int32_t> ids;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = x.data_ptr<float>() + r * n;
+    heap.clear();
+    const auto offer = [&](float z) {
+      if (static_cast<int64_t>(heap.size()) < k) {
+        heap.push_back(z);
+        std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+      } else if (z > heap.front()) {
+        std::pop_heap(heap.begin(), heap.end(), std::greater<float>());
+        heap.back() = z;
+        std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+      }
+    };
+    const vfloat vs = vset1(s);
+    int64_t i = 0;
+    for (; i < std::min(n, k); ++i) offer(row[i] * s);
+    for (; i + kLanes <= n; i += kLanes)
+      for (uint32_t mask = vmask_at_least(vmul(vload(row + i), vs), vset1(std::nextafter(heap.front(), INFINITY)));
+           mask; mask &= mask - 1)
+        offer(row[i + __builtin_ctz(mask)] * s);
+    for (; i < n; ++i) offer(row[i] * s);
+    const float top = *std::max_element(heap.begin(), heap.end());
+    ids_at_least(row, n, heap.front(), ids, s);
+    std::vector<float> kept(ids.size());
+    double total = 0.0;
+    for (size_t j = 0; j < ids.size(); ++j) total += kept[j] = std::exp(row[ids[j]] * s - top);
+    std::fill(row, row + n, 0.0f);
+    const float sum = static_cast<float>(total);
+    for (size_t j = 0; j < ids.size(); ++j) row[ids[j]] = kept[j] / sum;
+  }
+}
+
+// Top-p on each row of float32 probabilities [rows, n], in place: the most probable ids
+// (ties: the lower id first, as a stable sort), each kept while the mass before it is below
+// top_p (so the first always stays), renormalised; every other id gets 0. Only the ids of at
+// least a floor's probability are sorted, the floor lowered while they hold less than top_p:
+// no id below them can be kept then. The same as sampling._keep_nucleus, whose NumPy
+// operations read the row several times more and write every id twice; the masses are summed
+// in double in the same order, so the same ids are kept, and the kept sum too is a double
+// here (NumPy's float32 sum may differ from it in the last bit).
+void nucleus_(const at::Tensor& x, double top_p) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.is_contiguous() && x.device().is_cpu(),
+              "contiguous float32 CPU rows expected");
+  TORCH_CHECK(top_p > 0.0 && top_p <= 1.0, "top_p must be in (0, 1], not ", top_p);
+  static constexpr float kFloors[] = {1e-3f, 1e-5f, 0.0f};
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  std::vector<int32_t> ids;
+  std::vector<std::pair<int32_t, float>> kept;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = x.data_ptr<float>() + r * n;
+    for (const float floor : kFloors) {
+      ids_at_least(row, n, floor, ids);  // at floor 0 every id: probabilities are never below it
+      std::sort(ids.begin(), ids.end(), [row](int32_t a, int32_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
+      double mass = 0.0;
+      for (const int32_t id : ids) mass += row[id];
+      if (!ids.empty() && mass >= top_p) break;
+    }
+    kept.clear();  // (id, probability) of each id kept
+    double mass = 0.0, total = 0.0;
+    for (const int32_t id : ids) {
+      mass += row[id];
+      if (mass - row[id] < top_p) {  // the mass before it, as the NumPy path takes it
+        kept.push_back({id, row[id]});
+        total += row[id];
+      }
+    }
+    std::fill(row, row + n, 0.0f);
+    const float sum = static_cast<float>(total);
+    for (const auto& [id, p] : kept) row[id] = p / sum;
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_float", &linear_float, "x @ w.T (+ bias) (+ residual) for float32/bfloat16/float16 w");
   m.def("linear_int8", &linear_int8, "x @ (w * scale[:, None]).T (+ bias) (+ residual)");
@@ -2339,6 +2441,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up for [gate | up] rows");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("softmax_", &softmax_, "softmax(x * scale) of each row, in place", py::arg("x"), py::arg("scale"));
+  m.def("top_k_", &top_k_, "softmax(x * scale) over the k largest of each row, in place", py::arg("x"),
+        py::arg("scale"), py::arg("k"));
+  m.def("nucleus_", &nucleus_, "top-p of each row of probabilities, in place", py::arg("x"), py::arg("top_p"));
   m.def("attention", &attention, "rotary + cache write + causal attention for a few positions");
   py::class_<Product>(m, "Product", "one projection's kernel bound to its weights: product(x, residual=None)")
       .def(py::init<const std::string&, std::vector<at::Tensor>, c10::optional<at::Tensor>>(),
