@@ -109,7 +109,7 @@ def test_the_nucleus_kernel_keeps_what_the_numpy_nucleus_keeps(shape):
     probabilities: the same ids kept, for a nucleus of a few ids (above the first floor), of
     ids between 1e-5 and 1e-3, of every id (flat rows: no floor holds top_p), and of tied ids at
     its edge; their probabilities renormalised alike, every other id exactly 0."""
-    from verispec.sampling import _keep_nucleus
+    from verispec.sampling import NUCLEUS_FLOORS, _keep_nucleus
 
     compiled = kernels.cpu_kernels()
     generator = torch.Generator().manual_seed(5)
@@ -126,7 +126,7 @@ def test_the_nucleus_kernel_keeps_what_the_numpy_nucleus_keeps(shape):
         assert probs.max() < 1e-5
     for top_p in (0.05, 0.5, 0.9, 0.97, 0.999):
         got = probs.clone()
-        compiled.nucleus_(got, top_p)
+        compiled.nucleus_(got, top_p, NUCLEUS_FLOORS)
         expected = probs.clone().numpy()
         for row in expected:
             _keep_nucleus(row, top_p)
@@ -136,7 +136,9 @@ def test_the_nucleus_kernel_keeps_what_the_numpy_nucleus_keeps(shape):
         assert torch.allclose(got.sum(-1), torch.ones(3))
         assert torch.all((got > 0).sum(-1) >= 1)
     with pytest.raises(RuntimeError, match="top_p"):
-        compiled.nucleus_(probs.clone(), 0.0)
+        compiled.nucleus_(probs.clone(), 0.0, NUCLEUS_FLOORS)
+    with pytest.raises(RuntimeError, match="last floor"):
+        compiled.nucleus_(probs.clone(), 0.9, [1e-3])
 
 
 @contextlib.contextmanager

@@ -87,9 +87,9 @@ NUCLEUS_FLOORS = (1e-3, 1e-5, 0.0)
 
 def _warp_on_one_thread(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The warp of `_warp_with_torch` on the CPU, row by row in one buffer, on this thread,
-    through the CPU kernels (NumPy where they are not built). A row of the vocabulary is too short to be
-    worth waking torch's second thread for, a new tensor per operation faults fresh pages in,
-    and top-p need not sort the whole vocabulary: only the few ids that hold its mass
+    through the CPU kernels (NumPy where they are not built). A row of the vocabulary is too
+    short to be worth waking torch's second thread for, a new tensor per operation faults fresh
+    pages in, and top-p need not sort the whole vocabulary: only the few ids that hold its mass
     (`benchmarks/overhead.py` times the ways). Where the kernels are built the warp is theirs:
     a softmax in three reads of the row where NumPy's operations take six, with an exp that
     does not depend on NumPy's build; top-k's k-th largest from a heap that most of the row
@@ -103,7 +103,7 @@ def _warp_on_one_thread(logits: torch.Tensor, params: SamplingParams) -> torch.T
         else:
             kernels.softmax_(rows, 1.0 / params.temperature)
         if params.top_p < 1.0:
-            kernels.nucleus_(rows, params.top_p)
+            kernels.nucleus_(rows, params.top_p, NUCLEUS_FLOORS)
         return rows
     out = np.divide(np.asarray(logits.detach()), np.float32(params.temperature), dtype=np.float32)
     for row in out.reshape(-1, out.shape[-1]):

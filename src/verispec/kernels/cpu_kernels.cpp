@@ -2349,6 +2349,7 @@ void top_k_(const at::Tensor& x, double scale, int64_t k) {
   const float s = static_cast<float>(scale);
   std::vector<float> heap;  // the k largest scaled values so far, the least on top
   std::vector<int32_t> ids;
+  std::vector<float> kept;
   for (int64_t r = 0; r < rows; ++r) {
     float* row = x.data_ptr<float>() + r * n;
     heap.clear();
@@ -2372,7 +2373,7 @@ void top_k_(const at::Tensor& x, double scale, int64_t k) {
     for (; i < n; ++i) offer(row[i] * s);
     const float top = *std::max_element(heap.begin(), heap.end());
     ids_at_least(row, n, heap.front(), ids, s);
-    std::vector<float> kept(ids.size());
+    kept.resize(ids.size());
     double total = 0.0;
     for (size_t j = 0; j < ids.size(); ++j) total += kept[j] = std::exp(row[ids[j]] * s - top);
     std::fill(row, row + n, 0.0f);
@@ -2384,24 +2385,25 @@ void top_k_(const at::Tensor& x, double scale, int64_t k) {
 // Top-p on each row of float32 probabilities [rows, n], in place: the most probable ids
 // (ties: the lower id first, as a stable sort), each kept while the mass before it is below
 // top_p (so the first always stays), renormalised; every other id gets 0. Only the ids of at
-// least a floor's probability are sorted, the floor lowered while they hold less than top_p:
-// no id below them can be kept then. The same as sampling._keep_nucleus, whose NumPy
-// operations read the row several times more and write every id twice; the masses are summed
-// in double in the same order, so the same ids are kept, and the kept sum too is a double
-// here (NumPy's float32 sum may differ from it in the last bit).
-void nucleus_(const at::Tensor& x, double top_p) {
+// least a floor's probability are sorted (`floors`, falling, the last 0), the floor lowered
+// while they hold less than top_p: no id below them can be kept then. The same as
+// sampling._keep_nucleus, whose NumPy operations read the row several times more and write
+// every id twice; the masses are summed in double in the same order, so the same ids are
+// kept, and the kept sum too is a double here (NumPy's float32 sum may differ in the last bit).
+void nucleus_(const at::Tensor& x, double top_p, const std::vector<double>& floors) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.is_contiguous() && x.device().is_cpu(),
               "contiguous float32 CPU rows expected");
   TORCH_CHECK(top_p > 0.0 && top_p <= 1.0, "top_p must be in (0, 1], not ", top_p);
-  static constexpr float kFloors[] = {1e-3f, 1e-5f, 0.0f};
+  TORCH_CHECK(!floors.empty() && floors.back() == 0.0, "the last floor must be 0, so that every id can be reached");
   const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
   std::vector<int32_t> ids;
   std::vector<std::pair<int32_t, float>> kept;
   for (int64_t r = 0; r < rows; ++r) {
     float* row = x.data_ptr<float>() + r * n;
-    for (const float floor : kFloors) {
-      ids_at_least(row, n, floor, ids);  // at floor 0 every id: probabilities are never below it
-      std::sort(ids.begin(), ids.end(), [row](int32_t a, int32_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
+    for (const double floor : floors) {
+      ids_at_least(row, n, static_cast<float>(floor), ids);  // at floor 0 every id: probabilities are never below it
+      std::sort(ids.begin(), ids.end(),
+                [row](int32_t a, int32_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
       double mass = 0.0;
       for (const int32_t id : ids) mass += row[id];
       if (!ids.empty() && mass >= top_p) break;
@@ -2443,7 +2445,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("softmax_", &softmax_, "softmax(x * scale) of each row, in place", py::arg("x"), py::arg("scale"));
   m.def("top_k_", &top_k_, "softmax(x * scale) over the k largest of each row, in place", py::arg("x"),
         py::arg("scale"), py::arg("k"));
-  m.def("nucleus_", &nucleus_, "top-p of each row of probabilities, in place", py::arg("x"), py::arg("top_p"));
+  m.def("nucleus_", &nucleus_, "top-p of each row of probabilities, in place", py::arg("x"), py::arg("top_p"),
+        py::arg("floors"));
   m.def("attention", &attention, "rotary + cache write + causal attention for a few positions");
   py::class_<Product>(m, "Product", "one projection's kernel bound to its weights: product(x, residual=None)")
       .def(py::init<const std::string&, std::vector<at::Tensor>, c10::optional<at::Tensor>>(),
