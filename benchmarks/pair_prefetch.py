@@ -4,6 +4,7 @@
     python benchmarks/pair_prefetch.py --formats int4 --distances 0 1024 1536 --rounds 12
     python benchmarks/pair_prefetch.py --formats int4 int8 --positions 5 --distances 0 512 1024 2048
     python benchmarks/pair_prefetch.py --formats int4 --positions 9 --distances 2048 4096 20480
+    python benchmarks/pair_prefetch.py --formats int4 int8 --distances 1536 4096 --save-as pair_prefetch_far
 
 A plain decoding step reads each thread's region of a product's panels as two streams side
 by side. How well the hardware prefetcher alone keeps them fed depends on the processor: on
@@ -129,6 +130,8 @@ def main() -> int:
     parser.add_argument("--distances", type=int, nargs="+", default=[0, 512, 1024, 1536, 2048])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5, help="steps per distance and round (their median counts)")
+    parser.add_argument("--save-as", default=None,
+                        help="results/perf/<host>/<name>.json (default: pair_prefetch, or pair_prefetch_p<M> for M positions)")
     args = parser.parse_args()
     kernels = panel_kernels()
     if kernels is None:
@@ -137,7 +140,7 @@ def main() -> int:
           f"{torch.get_num_threads()} threads, {processor()['name']}, {machine_load()}")
     warn_if_busy()
     results = {fmt: measure(fmt, args, kernels) for fmt in args.formats}
-    name = "pair_prefetch" if args.positions == 1 else f"pair_prefetch_p{args.positions}"
+    name = args.save_as or ("pair_prefetch" if args.positions == 1 else f"pair_prefetch_p{args.positions}")
     save(name, {"model": args.model, "positions": args.positions, "formats": results})
     return 0
 

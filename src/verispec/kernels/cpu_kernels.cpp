@@ -2397,29 +2397,32 @@ void nucleus_(const at::Tensor& x, double top_p, const std::vector<double>& floo
   TORCH_CHECK(!floors.empty() && floors.back() == 0.0, "the last floor must be 0, so that every id can be reached");
   const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
   std::vector<int32_t> ids;
-  std::vector<std::pair<int32_t, float>> kept;
+  std::vector<std::pair<float, int32_t>> ranked;  // (probability, id), sorted beside each other
   for (int64_t r = 0; r < rows; ++r) {
     float* row = x.data_ptr<float>() + r * n;
     for (const double floor : floors) {
       ids_at_least(row, n, static_cast<float>(floor), ids);  // at floor 0 every id: probabilities are never below it
-      std::sort(ids.begin(), ids.end(),
-                [row](int32_t a, int32_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
+      ranked.resize(ids.size());
+      for (size_t i = 0; i < ids.size(); ++i) ranked[i] = {row[ids[i]], ids[i]};
+      std::sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) {
+        return a.first > b.first || (a.first == b.first && a.second < b.second);
+      });
       double mass = 0.0;
-      for (const int32_t id : ids) mass += row[id];
-      if (!ids.empty() && mass >= top_p) break;
+      for (const auto& each : ranked) mass += each.first;
+      if (!ranked.empty() && mass >= top_p) break;
     }
-    kept.clear();  // (id, probability) of each id kept
+    size_t kept = 0;  // the ids kept, moved to the front of `ranked`
     double mass = 0.0, total = 0.0;
-    for (const int32_t id : ids) {
-      mass += row[id];
-      if (mass - row[id] < top_p) {  // the mass before it, as the NumPy path takes it
-        kept.push_back({id, row[id]});
-        total += row[id];
+    for (const auto& each : ranked) {
+      mass += each.first;
+      if (mass - each.first < top_p) {  // the mass before it, as the NumPy path takes it
+        ranked[kept++] = each;
+        total += each.first;
       }
     }
     std::fill(row, row + n, 0.0f);
     const float sum = static_cast<float>(total);
-    for (const auto& [id, p] : kept) row[id] = p / sum;
+    for (size_t i = 0; i < kept; ++i) row[ranked[i].second] = ranked[i].first / sum;
   }
 }
 
