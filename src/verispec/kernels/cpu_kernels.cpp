@@ -2285,13 +2285,25 @@ struct DecoderStack {
 
 // ------------------------------------------------------------------ sampling
 
+// The sampler's rows, warped in place: float32 [..., n] on the CPU, contiguous
+void check_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.is_contiguous() && x.device().is_cpu(),
+              "contiguous float32 CPU rows expected");
+}
+
+// row = 0 but at the first `count` ids of `kept` (value, id), each its value over their total
+void keep_only(float* row, int64_t n, const std::vector<std::pair<float, int32_t>>& kept, size_t count, double total) {
+  std::fill(row, row + n, 0.0f);
+  const float sum = static_cast<float>(total);
+  for (size_t i = 0; i < count; ++i) row[kept[i].second] = kept[i].first / sum;
+}
+
 // softmax(x * scale) of each row of float32 [rows, n], in place: the sampler's warp at
 // temperature 1/scale in three reads of the row (its maximum; exp and sum; the division)
 // where NumPy's and torch's operations take six. Ids more than 87 below the maximum (after
 // the scale) get 0, where exp would give less than 2e-38: masked (-inf) logits stay impossible.
 void softmax_(const at::Tensor& x, double scale) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.is_contiguous() && x.device().is_cpu(),
-              "contiguous float32 CPU rows expected");
+  check_rows(x);
   TORCH_CHECK(scale > 0, "scale must be positive");
   const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
   const float s = static_cast<float>(scale);
@@ -2341,15 +2353,14 @@ void ids_at_least(const float* row, int64_t n, float floor, std::vector<int32_t>
 // The k-th largest comes from a heap of the k largest so far, which most blocks of the row
 // pass by with one comparison against its least, where NumPy's partition moves the whole row.
 void top_k_(const at::Tensor& x, double scale, int64_t k) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.is_contiguous() && x.device().is_cpu(),
-              "contiguous float32 CPU rows expected");
+  check_rows(x);
   TORCH_CHECK(scale > 0, "scale must be positive");
   const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
   TORCH_CHECK(k >= 1 && k <= n, "k must be in [1, ", n, "], not ", k);
   const float s = static_cast<float>(scale);
   std::vector<float> heap;  // the k largest scaled values so far, the least on top
   std::vector<int32_t> ids;
-  std::vector<float> kept;
+  std::vector<std::pair<float, int32_t>> kept;  // (exp, id)
   for (int64_t r = 0; r < rows; ++r) {
     float* row = x.data_ptr<float>() + r * n;
     heap.clear();
@@ -2375,10 +2386,11 @@ void top_k_(const at::Tensor& x, double scale, int64_t k) {
     ids_at_least(row, n, heap.front(), ids, s);
     kept.resize(ids.size());
     double total = 0.0;
-    for (size_t j = 0; j < ids.size(); ++j) total += kept[j] = std::exp(row[ids[j]] * s - top);
-    std::fill(row, row + n, 0.0f);
-    const float sum = static_cast<float>(total);
-    for (size_t j = 0; j < ids.size(); ++j) row[ids[j]] = kept[j] / sum;
+    for (size_t j = 0; j < ids.size(); ++j) {
+      kept[j] = {std::exp(row[ids[j]] * s - top), ids[j]};
+      total += kept[j].first;
+    }
+    keep_only(row, n, kept, kept.size(), total);
   }
 }
 
@@ -2391,8 +2403,7 @@ void top_k_(const at::Tensor& x, double scale, int64_t k) {
 // every id twice; the masses are summed in double in the same order, so the same ids are
 // kept, and the kept sum too is a double here (NumPy's float32 sum may differ in the last bit).
 void nucleus_(const at::Tensor& x, double top_p, const std::vector<double>& floors) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.is_contiguous() && x.device().is_cpu(),
-              "contiguous float32 CPU rows expected");
+  check_rows(x);
   TORCH_CHECK(top_p > 0.0 && top_p <= 1.0, "top_p must be in (0, 1], not ", top_p);
   TORCH_CHECK(!floors.empty() && floors.back() == 0.0, "the last floor must be 0, so that every id can be reached");
   const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
@@ -2420,9 +2431,7 @@ void nucleus_(const at::Tensor& x, double top_p, const std::vector<double>& floo
         total += each.first;
       }
     }
-    std::fill(row, row + n, 0.0f);
-    const float sum = static_cast<float>(total);
-    for (size_t i = 0; i < kept; ++i) row[ranked[i].second] = ranked[i].first / sum;
+    keep_only(row, n, ranked, kept, total);
   }
 }
 
