@@ -1090,6 +1090,14 @@ constexpr bool kNativeDot = true;
 inline ILanes idot_u8(ILanes acc, ILanes u, ILanes s) { return {_mm512_dpbusd_epi32(acc.v, u.v, s.v)}; }
 // acc + the sums of 2 products of int16, per int32 lane
 inline ILanes idot_i16(ILanes acc, ILanes a, ILanes b) { return {_mm512_dpwssd_epi32(acc.v, a.v, b.v)}; }
+// the same with b one pair of int16 at `b`, broadcast by the instruction itself: one
+// micro-fused operation where a broadcast of its own takes a second. A core keeps fewer lines
+// in flight the more operations each line costs, and one-row int8 steps took 0.98x the time
+// on the Xeon without AMX (benchmarks/NOTES.md, "The Xeon without AMX a third time")
+inline ILanes idot_i16_at(ILanes acc, ILanes a, const int32_t* b) {
+  asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc.v) : "v"(a.v), "m"(*b));
+  return acc;
+}
 #else
 constexpr bool kNativeDot = false;
 // exact while each pair of products fits in int16 (unsigned bytes of at most 15 times
@@ -1098,6 +1106,7 @@ inline ILanes idot_u8(ILanes acc, ILanes u, ILanes s) {
   return iadd(acc, imul_i16_pairs(imul_u8_pairs(u, s), iset1(0x00010001)));
 }
 inline ILanes idot_i16(ILanes acc, ILanes a, ILanes b) { return iadd(acc, imul_i16_pairs(a, b)); }
+inline ILanes idot_i16_at(ILanes acc, ILanes a, const int32_t* b) { return idot_i16(acc, a, iset1(*b)); }
 #endif
 
 // ------------------------------------------------------------------ int4 x int8 panels
@@ -1662,9 +1671,9 @@ __attribute__((noinline)) void int8_panel_tile(const IntegerTile& tile, int64_t 
         for (int r = 0; r < R; ++r) {
           const int32_t* xp = xr.pairs.data() + (row0 + r) * (k / 2) + g * (kGroup / 2) + 2 * t;
           ILanes& a = sums[(2 * t) % kChains][j * R + r];
-          a = idot_i16(a, first, iset1(xp[0]));
+          a = idot_i16_at(a, first, xp);
           ILanes& b = sums[(2 * t + 1) % kChains][j * R + r];
-          b = idot_i16(b, second, iset1(xp[1]));
+          b = idot_i16_at(b, second, xp + 1);
         }
       }
     }
