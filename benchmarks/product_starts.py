@@ -2,10 +2,12 @@
 
     python benchmarks/product_starts.py              # 12 rounds, int8, the 1.5B's shapes
     python benchmarks/product_starts.py --rounds 30
+    python benchmarks/product_starts.py --weights int4
 
-Builds 28 layers of Qwen2.5-1.5B's four int8 products (qkv 2048x1536, o 1536x1536,
-gate_up 17920x1536, down 1536x8960; random weights in the panel layout) in one buffer in
-the order a step reads them, as loading does, plus one product of 240 MB. Each round times,
+Builds 28 layers of Qwen2.5-1.5B's four products (qkv 2048x1536, o 1536x1536,
+gate_up 17920x1536, down 1536x8960; random int8 or int4 weights in the panel layout) in one
+buffer in the order a step reads them, as loading does, plus one product of 240 MB (int4:
+150 MB). Each round times,
 with one row, taking turns:
 
   layer order    the products as a step runs them (qkv, o, gate_up, down, next layer ...),
@@ -13,9 +15,10 @@ with one row, taking turns:
   back to back   the 28 products of one kind in a row
   one product    the 240 MB product (10,240 panels of 24 KB): one start per stream
   loads only     the same back to back and one product read with no arithmetic
-                 (kernels.read_int8_panels: the same regions, streams and pieces), so that
-                 what the layout and the threads cost stands apart from what the products'
-                 arithmetic costs
+                 (kernels.read_int8_panels: the same regions, streams and pieces; int4's
+                 panels read as int8 panels of the same bytes, 10 KB per 1,024 inputs), so
+                 that what the layout and the threads cost stands apart from what the
+                 products' arithmetic costs
 
 Each round sits between two read-bandwidth measurements; a way's utilisation is bytes of
 weights over the higher of the two. Medians over the rounds whose measurements agree within
@@ -40,45 +43,77 @@ LAYERS = 28
 LONG_PANELS = 10240  # one product of 10,240 panels x 16 columns x 1536 inputs: 240 MB
 
 
-def int8_panels(flat: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    return flat.view(n // 16, k // 4, 16, 4)
+INT4_GROUP_BYTES = 320  # per panel and group of 32 inputs: 16 scales and 16 offsets (float16), 256 B of nibbles
 
 
-def build(layers: int):
-    """Every layer's products as views of one buffer, in run order, with their inputs and scales."""
-    total = layers * sum(n * k for n, k in SHAPES.values())
+def panel_bytes(weights: str, n: int, k: int) -> int:
+    return n * k if weights == "int8" else n // 16 * k // 32 * INT4_GROUP_BYTES
+
+
+def as_panels(flat: torch.Tensor, weights: str, n: int, k: int) -> torch.Tensor:
+    """A product's bytes as the kernel takes them: int8 [n/16, k/4, 16, 4], int4 uint8 [n/16, k/32, 320]."""
+    if weights == "int8":
+        return flat.view(n // 16, k // 4, 16, 4)
+    return flat.view(torch.uint8).view(n // 16, k // 32, INT4_GROUP_BYTES)
+
+
+def as_int8_panels(panels: torch.Tensor) -> torch.Tensor:
+    """The same bytes as int8 panels of 16 columns, for read_int8_panels: one int4 panel's
+    320 bytes per group of 32 inputs are 20 inputs of 16 int8 columns."""
+    if panels.dtype == torch.int8:
+        return panels
+    return panels.view(torch.int8).view(panels.shape[0], -1, 16, 4)
+
+
+def random_panels(total: int, weights: str) -> torch.Tensor:
+    """Random weights; int4's scales and offsets float16 1.0 and 0.0 (random halves could be
+    infinities or NaNs)."""
     flat = torch.randint(-127, 128, (total,), dtype=torch.int8)
+    if weights == "int4":
+        groups = flat.view(torch.uint8).view(-1, INT4_GROUP_BYTES)
+        groups[:, :32].view(torch.float16).fill_(1.0)
+        groups[:, 32:64].zero_()
+    return flat
+
+
+def build(layers: int, weights: str = "int8"):
+    """Every layer's products as views of one buffer, in run order, with their inputs and scales."""
+    flat = random_panels(layers * sum(panel_bytes(weights, n, k) for n, k in SHAPES.values()), weights)
     products = {name: [] for name in SHAPES}
     offset = 0
     for _ in range(layers):
         for name, (n, k) in SHAPES.items():
-            products[name].append(int8_panels(flat[offset:offset + n * k], n, k))
-            offset += n * k
+            size = panel_bytes(weights, n, k)
+            products[name].append(as_panels(flat[offset:offset + size], weights, n, k))
+            offset += size
     inputs = {name: torch.randn(1, k) for name, (n, k) in SHAPES.items()}
     scales = {name: torch.rand(n) for name, (n, k) in SHAPES.items()}
     return flat, products, inputs, scales
 
 
-def measure(rounds: int, layers: int, kernels) -> list[dict]:
-    flat, products, inputs, scales = build(layers)
-    long_product = int8_panels(torch.randint(-127, 128, (LONG_PANELS * 16 * 1536,), dtype=torch.int8), LONG_PANELS * 16, 1536)
-    long_scale, long_input = torch.rand(LONG_PANELS * 16), torch.randn(1, 1536)
+def measure(rounds: int, layers: int, kernels, weights: str = "int8") -> list[dict]:
+    flat, products, inputs, scales = build(layers, weights)
+    n_long = LONG_PANELS * 16
+    long_product = as_panels(random_panels(panel_bytes(weights, n_long, 1536), weights), weights, n_long, 1536)
+    long_scale, long_input = torch.rand(n_long), torch.randn(1, 1536)
     size = {name: products[name][0].numel() * layers for name in SHAPES}
+    multiplied = kernels.linear_int8_panels if weights == "int8" else (
+        lambda x, panels, scale, bias, residual: kernels.linear_int4_panels(x, panels, bias, residual))
 
     def layer_order() -> dict[str, float]:
         spent = dict.fromkeys(SHAPES, 0.0)
         for layer in range(layers):
             for name in SHAPES:
                 started = time.perf_counter()
-                kernels.linear_int8_panels(inputs[name], products[name][layer], scales[name], None, None)
+                multiplied(inputs[name], products[name][layer], scales[name], None, None)
                 spent[name] += time.perf_counter() - started
         return spent
 
     def multiply(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor) -> None:
-        kernels.linear_int8_panels(x, panels, scale, None, None)
+        multiplied(x, panels, scale, None, None)
 
     def read_only(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor) -> None:
-        kernels.read_int8_panels(panels)
+        kernels.read_int8_panels(as_int8_panels(panels))
 
     def back_to_back(name: str, way=multiply) -> float:
         started = time.perf_counter()
@@ -118,22 +153,25 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--weights", choices=["int8", "int4"], default="int8")
     args = parser.parse_args()
 
     kernels = panel_kernels()
     if kernels is None:
         return 1
-    print(f"product starts: int8, {args.layers} layers of the 1.5B's shapes, {torch.get_num_threads()} threads, "
+    print(f"product starts: {args.weights}, {args.layers} layers of the 1.5B's shapes, {torch.get_num_threads()} threads, "
           f"{machine_load()}")
     warn_if_busy()
-    records = measure(args.rounds, args.layers, kernels)
+    records = measure(args.rounds, args.layers, kernels, args.weights)
     summary = spells(records)
     for name, spell in summary.items():
         low, high = spell["bandwidth"]
         print(f"  {name} spell ({spell['rounds']} steady rounds, {low / 1e9:.0f}-{high / 1e9:.0f} GB/s):")
         for way, share in spell["utilisation"].items():
             print(f"    {way:24s} {share:.0%}")
-    save("product_starts", {"layers": args.layers, "rounds": records, "spells": summary}, history={"spells": summary})
+    name = "product_starts" if args.weights == "int8" else f"product_starts_{args.weights}"
+    save(name, {"weights": args.weights, "layers": args.layers, "rounds": records, "spells": summary},
+         history={"spells": summary})
     return 0
 
 

@@ -1464,3 +1464,31 @@ def test_read_bandwidth_by_buffer_size_and_the_last_level_cache(monkeypatch, tmp
     assert set(by_count) == {1, 2}
     assert all(len(rates) == 2 and min(rates) > 0 for rates in by_count.values())
     assert torch.get_num_threads() == threads  # the thread count is put back
+
+
+def test_product_starts_builds_int4_products_that_the_kernels_multiply(monkeypatch):
+    """product_starts.py --weights int4: each of a layer's products is a valid int4 panel
+    tensor (finite scales, the kernel's product equals the canonical weights' within the
+    activations' rounding), and its loads-only view is the same bytes as int8 panels."""
+    import importlib
+
+    from verispec.quant import int4_from_panels, int4_to_float
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    product_starts = importlib.import_module("product_starts")
+    flat, products, inputs, _ = product_starts.build(1, "int4")
+    assert flat.numel() == sum(product_starts.panel_bytes("int4", n, k) for n, k in product_starts.SHAPES.values())
+    for name, (n, k) in product_starts.SHAPES.items():
+        panels = products[name][0]
+        assert tuple(panels.shape) == (n // 16, k // 32, 320)
+        view = product_starts.as_int8_panels(panels)
+        assert view.dtype == torch.int8 and view.data_ptr() == panels.data_ptr() and view.numel() == panels.numel()
+        assert view.shape[1] * 4 % 32 == 0  # whole groups for read_int8_panels
+    nibbles, scales = int4_from_panels(products["o"][0])
+    reference = inputs["o"] @ int4_to_float(nibbles, scales).T
+    assert torch.isfinite(reference).all()
+    k = kernels.cpu_kernels()
+    if k is not None and hasattr(k, "linear_int4_panels"):
+        y = k.linear_int4_panels(inputs["o"], products["o"][0], None, None)
+        assert (y - reference).abs().max() <= 0.02 * reference.abs().max()
+        assert k.read_int8_panels(product_starts.as_int8_panels(products["down"][0])).shape == (1, 1536)
