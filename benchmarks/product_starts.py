@@ -97,20 +97,21 @@ def measure(rounds: int, layers: int, kernels, weights: str = "int8") -> list[di
     long_product = as_panels(random_panels(panel_bytes(weights, n_long, 1536), weights), weights, n_long, 1536)
     long_scale, long_input = torch.rand(n_long), torch.randn(1, 1536)
     size = {name: products[name][0].numel() * layers for name in SHAPES}
-    multiplied = kernels.linear_int8_panels if weights == "int8" else (
-        lambda x, panels, scale, bias, residual: kernels.linear_int4_panels(x, panels, bias, residual))
+
+    def multiply(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor) -> None:
+        if weights == "int8":
+            kernels.linear_int8_panels(x, panels, scale, None, None)
+        else:  # int4's scales are in its panels
+            kernels.linear_int4_panels(x, panels, None, None)
 
     def layer_order() -> dict[str, float]:
         spent = dict.fromkeys(SHAPES, 0.0)
         for layer in range(layers):
             for name in SHAPES:
                 started = time.perf_counter()
-                multiplied(inputs[name], products[name][layer], scales[name], None, None)
+                multiply(inputs[name], products[name][layer], scales[name])
                 spent[name] += time.perf_counter() - started
         return spent
-
-    def multiply(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor) -> None:
-        multiplied(x, panels, scale, None, None)
 
     def read_only(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor) -> None:
         kernels.read_int8_panels(as_int8_panels(panels))
