@@ -5,6 +5,7 @@
     python benchmarks/pair_prefetch.py --formats int4 int8 --positions 5 --distances 0 512 1024 2048
     python benchmarks/pair_prefetch.py --formats int4 --positions 9 --distances 2048 4096 20480
     python benchmarks/pair_prefetch.py --formats int4 int8 --distances 1536 4096 --save-as pair_prefetch_far
+    python benchmarks/pair_prefetch.py --knob pair-l2 --distances 0 2048 3072 4096 --save-as pair_prefetch_l2
 
 A plain decoding step reads each thread's region of a product's panels as two streams side
 by side. How well the hardware prefetcher alone keeps them fed depends on the processor: on
@@ -14,8 +15,10 @@ spends longer on each line, and its distance is a knob of its own: passes of a f
 read pairs use the one-row distance (`pair`), passes of `pass_pair_rows` rows or more (5;
 bfloat16 3) that read pairs `pass-pair`, and passes with more rows than the format reads as
 pairs one stream per thread (`pass-stream`); one-row products read one stream per thread
-(`stream`) only under `set_panel_streams(1)`. --knob picks one; by default it is the one the
-kernels use for M positions in each format.
+(`stream`) only under `set_panel_streams(1)`. Wherever pairs are fetched in software, they
+are also fetched into L2 further ahead (`pair-l2`; 0 or no further than the first: not at
+all). --knob picks one; by default it is the one the kernels use for M positions in each
+format.
 
 For each weight format the model runs forward passes over M positions after a short prompt
 (no sampling) with each distance in turn, step by step within each round, each round between
@@ -40,7 +43,7 @@ from perf_common import free, machine_load, median, panel_kernels, processor, sa
 from stream_layout import spell_groups, spells, time_ratio
 
 PROMPT = "def merge(a, b):\n    return sorted(a + b)\n"
-KNOBS = ("pair", "pass-pair", "pass-stream", "stream")
+KNOBS = ("pair", "pass-pair", "pass-stream", "stream", "pair-l2")
 
 
 def knob_at(kernels, fmt: str, positions: int) -> str:

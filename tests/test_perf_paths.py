@@ -509,16 +509,19 @@ def _products_of_111_panels(seed: int, k=None) -> tuple[list, int]:
 def test_one_row_products_read_by_region_give_the_rows_of_a_longer_pass():
     """A one-row product reads one region of panels per thread (as two streams side by side,
     or one): the very rows a three-row pass gives (111 panels: two regions, of odd and even
-    length)."""
+    length), however far ahead its streams are fetched into L1 and into L2."""
     k = kernels.cpu_kernels()
     products, n = _products_of_111_panels(seed=14)
     gen = torch.Generator().manual_seed(17)
     x, residual = _rows(256, seed=16, count=3), torch.randn(3, n, generator=gen)
-    default, default_ahead = k.panel_streams(), k.pair_prefetch()
+    default, default_ahead, default_l2 = k.panel_streams(), k.pair_prefetch(), k.pair_l2_prefetch()
     try:
-        for streams, ahead in ((1, 0), (2, 0), (2, 64), (2, 1536), (2, 1 << 20)):  # the last fetches far past the end
+        # the last fetches far past the end; an L2 distance no further than L1's fetches nothing more
+        for streams, ahead, l2 in ((1, 0, 0), (2, 0, 3072), (2, 64, 0), (2, 1536, 3072), (2, 1536, 1024),
+                                   (2, 1 << 20, 1 << 21)):
             k.set_panel_streams(streams)
             k.set_pair_prefetch(ahead)
+            k.set_pair_l2_prefetch(l2)
             for product in products:
                 rows = product(x, residual)
                 assert all(torch.equal(product(x[i:i + 1], residual[i:i + 1]), rows[i:i + 1]) for i in range(3))
@@ -526,10 +529,13 @@ def test_one_row_products_read_by_region_give_the_rows_of_a_longer_pass():
             k.set_panel_streams(3)
         with pytest.raises(RuntimeError, match="multiple of 64"):
             k.set_pair_prefetch(100)
+        with pytest.raises(RuntimeError, match="multiple of 64"):
+            k.set_pair_l2_prefetch(3000)
     finally:
         k.set_panel_streams(default)
         k.set_pair_prefetch(default_ahead)
-    assert default == 2 and default_ahead in (0, 1536)
+        k.set_pair_l2_prefetch(default_l2)
+    assert default == 2 and (default_ahead, default_l2) in ((0, 0), (1536, 3072))  # Intel: both; elsewhere neither
     # the bandwidth reference reads the same ways, and is a sum every way
     t = torch.randn(1_000_003, generator=gen)
     exact = float(t[:t.numel() // 32 * 32].double().sum())
@@ -552,12 +558,15 @@ def test_passes_read_as_pairs_of_panels_give_the_rows_of_single_steps():
     x, residual = _rows(256, seed=23, count=17), torch.randn(17, n, generator=torch.Generator().manual_seed(24))
     singles = [torch.cat([product(x[i:i + 1], residual[i:i + 1]) for i in range(17)]) for product in products]
     defaults = {kind: k.pair_rows(kind) for kind in ("integer", "float")}
-    default_ahead = k.pass_pair_prefetch()
+    default_ahead, default_l2 = k.pass_pair_prefetch(), k.pair_l2_prefetch()
     try:
-        # passes of 5 rows or more fetch their pairs pass_pair_prefetch() ahead (the last far past the end)
-        for setting, ahead in ((1, 0), (2, 0), (5, 1024), (8, 0), (8, 1024), (16, 1536), (100, 1 << 20)):
+        # passes of 5 rows or more fetch their pairs pass_pair_prefetch() ahead (the last far past the end),
+        # and pair_l2_prefetch() ahead into L2 where that is further
+        for setting, ahead, l2 in ((1, 0, 0), (2, 0, 0), (5, 1024, 3072), (8, 0, 3072), (8, 1024, 0),
+                                   (16, 1536, 3072), (100, 1 << 20, 1 << 21)):
             k.set_pair_rows(setting)
             k.set_pass_pair_prefetch(ahead)
+            k.set_pair_l2_prefetch(l2)
             for product, single in zip(products, singles):
                 for m in range(2, 18):
                     assert torch.equal(product(x[:m], residual[:m].contiguous()), single[:m])
@@ -573,6 +582,7 @@ def test_passes_read_as_pairs_of_panels_give_the_rows_of_single_steps():
         for kind, rows in defaults.items():
             k.set_pair_rows(rows, kind)
         k.set_pass_pair_prefetch(default_ahead)
+        k.set_pair_l2_prefetch(default_l2)
     assert defaults in ({"integer": 1, "float": 1}, {"integer": 8, "float": 3}, {"integer": 16, "float": 16})
     assert default_ahead == (k.pair_prefetch() or 1024)  # Intel: as one-row products; elsewhere 1 KB
     # 16-bit float lines hold twice a float32 line's inputs: their passes fetch as passes from 3 rows

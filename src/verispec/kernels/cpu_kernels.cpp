@@ -215,6 +215,25 @@ void set_pair_prefetch(int64_t bytes) {
   g_pair_prefetch.store(bytes, std::memory_order_relaxed);
 }
 
+// How far ahead each of a product's two streams per thread is also fetched into L2 where
+// it is fetched in software at all (pair_prefetch_for > 0), unless `set_pair_l2_prefetch`
+// changes it: on Intel processors 3 KB, elsewhere 0 (not at all; as far as or nearer than
+// the fetch into L1: not either). A core keeps only so many lines in flight into L1; fetched
+// into L2 further ahead, more of them are on their way. On the Xeon without AMX one-row steps
+// took 0.96x (int4), 0.95x (int8), 0.94x (bfloat16) and 0.97x (float32) the time with 3 KB,
+// 2 and 4 KB less (benchmarks/stack_ab.py; benchmarks/pair_prefetch.py --knob pair-l2 compares
+// distances; NOTES.md, "The Xeon without AMX a fourth time").
+int64_t default_pair_l2_prefetch() {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("intel") ? 3072 : 0;
+}
+std::atomic<int64_t> g_pair_l2_prefetch{default_pair_l2_prefetch()};
+inline int64_t pair_l2_prefetch() { return g_pair_l2_prefetch.load(std::memory_order_relaxed); }
+void set_pair_l2_prefetch(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0 && bytes % 64 == 0, "the prefetch distance must be a multiple of 64 bytes, not ", bytes);
+  g_pair_l2_prefetch.store(bytes, std::memory_order_relaxed);
+}
+
 // How far ahead passes of kPassPairRows rows or more (16-bit float panels: 3), where they
 // read pairs, fetch each stream in software, unless `set_pass_pair_prefetch` changes it: on
 // Intel processors as far as one-row products, elsewhere 1 KB. Such a tile spends several
@@ -247,6 +266,14 @@ inline int64_t pair_prefetch_for(int64_t rows, int64_t pass_rows) {
 // Fetches `lines` cache lines from p + ahead on (a prefetch never faults, even past the end).
 inline void fetch_ahead(const uint8_t* p, int64_t ahead, int lines) {
   for (int line = 0; line < lines; ++line) _mm_prefetch(reinterpret_cast<const char*>(p + ahead + 64 * line), _MM_HINT_T0);
+}
+
+// fetch_ahead for one of a pair's streams: the lines `ahead` bytes on into L1 and, where `far`
+// (pair_l2_prefetch()) lies beyond that, the lines `far` bytes on into L2
+inline void fetch_pair_ahead(const uint8_t* p, int64_t ahead, int64_t far, int lines) {
+  fetch_ahead(p, ahead, lines);
+  if (far > ahead)
+    for (int line = 0; line < lines; ++line) _mm_prefetch(reinterpret_cast<const char*>(p + far + 64 * line), _MM_HINT_T1);
 }
 
 // Fetches lines [from, to) of a stream that ends at `end` (nothing past it).
@@ -430,20 +457,20 @@ void for_each_panel_tile(const uint8_t* panels, int64_t count, int64_t stride, i
 }
 
 // Where a pair tile read in blocks fetches: lines [from, to) past each panel's start, spread
-// evenly over its steps (on: whether it fetches at all)
+// evenly over its steps, `ahead` bytes past the lines it reads (0: it fetches nothing)
 struct PairFetch {
   int64_t from, to;
-  bool on;
+  int64_t ahead;
 };
 
 // part(first, count, fetch) for the groups of at most max_rows (split_rows) that take turns
 // over one block of a pair: each group fetches its share of the next block's lines [line0,
 // line0 + lines), so that memory keeps streaming while the later groups read L1
 template <class Part>
-inline void for_each_block_group(int64_t rows, int64_t max_rows, int64_t line0, int64_t lines, bool fetch,
+inline void for_each_block_group(int64_t rows, int64_t max_rows, int64_t line0, int64_t lines, int64_t ahead,
                                  const Part& part) {
   split_rows(rows, max_rows, [&](int64_t first, int64_t count) {
-    part(first, count, PairFetch{line0 + lines * first / rows, line0 + lines * (first + count) / rows, fetch});
+    part(first, count, PairFetch{line0 + lines * first / rows, line0 + lines * (first + count) / rows, ahead});
   });
 }
 
@@ -504,7 +531,7 @@ void for_each_integer_tile(const uint8_t* panels, int64_t n, int64_t k, int64_t 
       for (int64_t g0 = 0; g0 < groups; g0 += block) {
         const int64_t g1 = std::min(groups, g0 + block);
         for_each_block_group(rows, MaxPairRows, (g0 * group_bytes + ahead) / 64, (g1 - g0) * group_bytes / 64,
-                             ahead != 0, [&](int64_t done, int64_t count, PairFetch fetch) {
+                             ahead, [&](int64_t done, int64_t count, PairFetch fetch) {
           IntegerTile it = part(row0 + done, nullptr, 0);
           it.sums = sums + 2 * 16 * done;
           it.g0 = g0, it.g1 = g1;
@@ -1191,16 +1218,18 @@ RoundedRows round_rows(const float* x, int64_t m, int64_t k) {
 }
 
 // A pair read in blocks fetches lines [from, to) of both panels spread evenly over a tile's
-// steps (Bresenham's spread: `owed` counts in units of 1 / steps of a line).
+// steps (Bresenham's spread: `owed` counts in units of 1 / steps of a line), and into L2 the
+// lines pair_l2_prefetch() bytes past those it reads, where that is further.
 struct SpreadFetch {
   const uint8_t *a, *b;
-  int64_t next, lines, steps, owed = 0;
+  int64_t next, lines, steps, owed = 0, further;
   SpreadFetch(const uint8_t* pa, const uint8_t* pb, PairFetch f, int64_t steps)
-      : a(pa), b(pb), next(f.from), lines(f.on ? f.to - f.from : 0), steps(steps) {}
+      : a(pa), b(pb), next(f.from), lines(f.ahead ? f.to - f.from : 0), steps(steps),
+        further(std::max<int64_t>(0, pair_l2_prefetch() - f.ahead)) {}
   void step() {
     for (owed += lines; owed >= steps; owed -= steps, ++next) {
-      _mm_prefetch(reinterpret_cast<const char*>(a + 64 * next), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(b + 64 * next), _MM_HINT_T0);
+      fetch_pair_ahead(a + 64 * next, 0, further, 1);
+      fetch_pair_ahead(b + 64 * next, 0, further, 1);
     }
   }
 };
@@ -1251,6 +1280,7 @@ __attribute__((noinline)) void panel_tile(const IntegerTile& tile, int64_t group
   const float* cx = xr.c.data() + row0 * groups;
   const int64_t g_begin = Blocks ? tile.g0 : 0, g_end = Blocks ? tile.g1 : groups;
   SpreadFetch spread(panel[0], panel[S - 1], tile.fetch, g_end - g_begin);
+  const int64_t far = pair_l2_prefetch();
   for (int64_t g = g_begin; g < g_end; ++g) {
     const uint8_t* p[S];
     for (int j = 0; j < S; ++j) p[j] = panel[j] + g * kPanelGroupBytes;
@@ -1259,7 +1289,7 @@ __attribute__((noinline)) void panel_tile(const IntegerTile& tile, int64_t group
     else if (fetch_end && p[0] + ahead + kPanelGroupBytes <= fetch_end)
       fetch_ahead(p[0], ahead, 5);
     else if (S == 2 && ahead)
-      for (int j = 0; j < S; ++j) fetch_ahead(p[j], ahead, 5);
+      for (int j = 0; j < S; ++j) fetch_pair_ahead(p[j], ahead, far, 5);
     ILanes sum[N][kChains];
     for (int i = 0; i < N; ++i)
       for (int c = 0; c < kChains; ++c) sum[i][c] = izero();
@@ -1528,7 +1558,7 @@ void float_panel_pair(const uint8_t* pa, const uint8_t* pb, int64_t k, const flo
     for (int i = 0; i < 8; ++i) sums[r][i] = lzero();
   for (int64_t k0 = 0; k0 < k; k0 += block) {
     const int64_t k1 = std::min(k, k0 + block);
-    for_each_block_group(m, kFloatPairRows, k0 / L + ahead / 64, (k1 - k0) / L, ahead != 0,
+    for_each_block_group(m, kFloatPairRows, k0 / L + ahead / 64, (k1 - k0) / L, ahead,
                          [&](int64_t row0, int64_t rows, PairFetch fetch) {
       with_rows<kFloatPairRows>(static_cast<int>(rows), [&](auto r) {
         float_pair_steps<P, decltype(r)::value>(pa, pb, k0, k1, x + row0 * k, k, sums + row0, fetch);
@@ -1656,6 +1686,7 @@ __attribute__((noinline)) void int8_panel_tile(const IntegerTile& tile, int64_t 
   start_sums<N, Blocks>(tile, acc);
   const int64_t g_begin = Blocks ? tile.g0 : 0, g_end = Blocks ? tile.g1 : groups;
   SpreadFetch spread(panel[0], panel[S - 1], tile.fetch, g_end - g_begin);
+  const int64_t far = pair_l2_prefetch();
   for (int64_t g = g_begin; g < g_end; ++g) {
     const uint8_t* lines[S];
     for (int j = 0; j < S; ++j) lines[j] = panel[j] + g * kGroup * kPanel;
@@ -1670,7 +1701,7 @@ __attribute__((noinline)) void int8_panel_tile(const IntegerTile& tile, int64_t 
     for (int t = 0; t < kGroup / 4; ++t) {
       if (fetch) _mm_prefetch(reinterpret_cast<const char*>(lines[0] + ahead + 64 * t), _MM_HINT_T0);
       if (fetch_pair)
-        for (int j = 0; j < S; ++j) fetch_ahead(lines[j] + 64 * t, ahead, 1);
+        for (int j = 0; j < S; ++j) fetch_pair_ahead(lines[j] + 64 * t, ahead, far, 1);
       for (int j = 0; j < S; ++j) {
         const ILanes first = iwiden8(lines[j] + 64 * t);        // inputs 4t, 4t+1
         const ILanes second = iwiden8(lines[j] + 64 * t + 32);  // inputs 4t+2, 4t+3
@@ -1730,9 +1761,10 @@ template <int S>
 __attribute__((noinline)) void read_panel_lines(const IntegerTile& tile, int64_t k) {
   ILanes seen[S];
   for (int j = 0; j < S; ++j) seen[j] = izero();
+  const int64_t far = pair_l2_prefetch();
   for (int64_t line = 0; line < k * kPanel / 64; ++line)
     for (int j = 0; j < S; ++j) {
-      if (S == 2 && tile.ahead) fetch_ahead(tile.panel[j] + 64 * line, tile.ahead, 1);
+      if (S == 2 && tile.ahead) fetch_pair_ahead(tile.panel[j] + 64 * line, tile.ahead, far, 1);
       seen[j] = ior(seen[j], iload(tile.panel[j] + 64 * line));
     }
   for (int j = 0; j < S; ++j) istore(tile.y + tile.col0[j], seen[j]);
@@ -2500,6 +2532,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "that read one stream per thread fetch it (0: leave it to the hardware)");
   m.def("pass_stream_prefetch", &pass_stream_prefetch, "how many bytes ahead products of several rows that read "
         "one stream per thread fetch it");
+  m.def("set_pair_l2_prefetch", &set_pair_l2_prefetch, "how many bytes ahead each of a product's two streams per "
+        "thread is also fetched into L2, where it is fetched in software (0, or no further than into L1: not)");
+  m.def("pair_l2_prefetch", &pair_l2_prefetch, "how many bytes ahead a product's two streams per thread are "
+        "fetched into L2");
   m.def("set_pair_prefetch", &set_pair_prefetch,
         "how many bytes ahead each of a product's two streams per thread is fetched in software (0: by the hardware alone)");
   m.def("pair_prefetch", &pair_prefetch, "how many bytes ahead a product's two streams per thread are fetched");
