@@ -263,28 +263,34 @@ inline int64_t pair_prefetch_for(int64_t rows, int64_t pass_rows) {
   return rows >= pass_rows ? pass_pair_prefetch() : pair_prefetch();
 }
 
+// The helpers that only prefetch are always inlined: GCC counts a prefetch as no side effect,
+// so a call it leaves out of line looks like a call that does nothing, and it drops it (with
+// the branch it sits in, as it did to every pair's fetch once fetch_pair_ahead grew too large
+// to inline by itself).
+#define VERISPEC_PREFETCHES inline __attribute__((always_inline))
+
 // Fetches `lines` cache lines from p + ahead on (a prefetch never faults, even past the end).
-inline void fetch_ahead(const uint8_t* p, int64_t ahead, int lines) {
+VERISPEC_PREFETCHES void fetch_ahead(const uint8_t* p, int64_t ahead, int lines) {
   for (int line = 0; line < lines; ++line) _mm_prefetch(reinterpret_cast<const char*>(p + ahead + 64 * line), _MM_HINT_T0);
 }
 
 // fetch_ahead for one of a pair's streams: the lines `ahead` bytes on into L1 and, where `far`
 // (pair_l2_prefetch()) lies beyond that, the lines `far` bytes on into L2
-inline void fetch_pair_ahead(const uint8_t* p, int64_t ahead, int64_t far, int lines) {
+VERISPEC_PREFETCHES void fetch_pair_ahead(const uint8_t* p, int64_t ahead, int64_t far, int lines) {
   fetch_ahead(p, ahead, lines);
   if (far > ahead)
     for (int line = 0; line < lines; ++line) _mm_prefetch(reinterpret_cast<const char*>(p + far + 64 * line), _MM_HINT_T1);
 }
 
 // Fetches lines [from, to) of a stream that ends at `end` (nothing past it).
-inline void prefetch_lines(const uint8_t* from, const uint8_t* to, const uint8_t* end) {
+VERISPEC_PREFETCHES void prefetch_lines(const uint8_t* from, const uint8_t* to, const uint8_t* end) {
   for (const uint8_t* p = from; p < std::min(to, end); p += 64)
     _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 }
 
 // fetch_ahead for `bytes` of rows of any type (a cache's keys or values), in whole lines
 template <class T>
-inline void fetch_rows(const T* p, int64_t bytes, int64_t ahead) {
+VERISPEC_PREFETCHES void fetch_rows(const T* p, int64_t bytes, int64_t ahead) {
   fetch_ahead(reinterpret_cast<const uint8_t*>(p), ahead, static_cast<int>((bytes + 63) / 64));
 }
 
@@ -1226,7 +1232,7 @@ struct SpreadFetch {
   SpreadFetch(const uint8_t* pa, const uint8_t* pb, PairFetch f, int64_t steps)
       : a(pa), b(pb), next(f.from), lines(f.ahead ? f.to - f.from : 0), steps(steps),
         further(std::max<int64_t>(0, pair_l2_prefetch() - f.ahead)) {}
-  void step() {
+  VERISPEC_PREFETCHES void step() {
     for (owed += lines; owed >= steps; owed -= steps, ++next) {
       fetch_pair_ahead(a + 64 * next, 0, further, 1);
       fetch_pair_ahead(b + 64 * next, 0, further, 1);
