@@ -215,14 +215,14 @@ void set_pair_prefetch(int64_t bytes) {
   g_pair_prefetch.store(bytes, std::memory_order_relaxed);
 }
 
-// How far ahead each of a product's two streams per thread is also fetched into L2 where
-// it is fetched in software at all (pair_prefetch_for > 0), unless `set_pair_l2_prefetch`
-// changes it: on Intel processors 3 KB, elsewhere 0 (not at all; as far as or nearer than
-// the fetch into L1: not either). A core keeps only so many lines in flight into L1; fetched
-// into L2 further ahead, more of them are on their way. On the Xeon without AMX one-row steps
-// took 0.96x (int4), 0.95x (int8), 0.94x (bfloat16) and 0.97x (float32) the time with 3 KB,
-// 2 and 4 KB less (benchmarks/stack_ab.py; benchmarks/pair_prefetch.py --knob pair-l2 compares
-// distances; NOTES.md, "The Xeon without AMX a fourth time").
+// How far ahead each of a one-row product's two streams per thread is also fetched into L2,
+// where it is fetched in software at all, unless `set_pair_l2_prefetch` changes it: on Intel
+// processors 3 KB, elsewhere 0 (not at all; no further than the fetch into L1: not either). A
+// core keeps only so many lines in flight into L1; fetched into L2 further ahead, more of them
+// are on their way. On the Xeon without AMX, without it one-row steps took 1.03-1.05x (int4,
+// int8), 1.06x (bfloat16) and 1.10x (float32) the time, 2 and 4 KB within 0-6% of 3 KB; passes
+// over 5 positions, which spend longer on each line, took 1.06x the time with it
+// (benchmarks/pair_prefetch.py --knob pair-l2; NOTES.md, "The Xeon without AMX a fourth time").
 int64_t default_pair_l2_prefetch() {
   __builtin_cpu_init();
   return __builtin_cpu_is("intel") ? 3072 : 0;
@@ -467,6 +467,7 @@ void for_each_panel_tile(const uint8_t* panels, int64_t count, int64_t stride, i
 struct PairFetch {
   int64_t from, to;
   int64_t ahead;
+  int64_t further = 0;  // a one-row pair: bytes past those lines also fetched into L2 (0: none)
 };
 
 // part(first, count, fetch) for the groups of at most max_rows (split_rows) that take turns
@@ -494,6 +495,7 @@ struct IntegerTile {
   const float* residual;
   const uint8_t* fetch_end;
   int64_t ahead;
+  int64_t far = 0;  // a one-row pair's fetch into L2 (pair_l2_prefetch)
   float* sums = nullptr;
   int64_t g0 = 0, g1 = 0;
   PairFetch fetch{0, 0, false};
@@ -528,9 +530,9 @@ void for_each_integer_tile(const uint8_t* panels, int64_t n, int64_t k, int64_t 
         });
       });
     } else if (rows <= MaxPairRows) {  // two streams (fetched pair_prefetch_for bytes ahead)
-      with_rows<MaxPairRows>(rows, [&](auto r) {
-        tile(r, std::integral_constant<int, 2>{}, std::false_type{}, part(row0, nullptr, ahead));
-      });
+      IntegerTile it = part(row0, nullptr, ahead);
+      it.far = rows == 1 ? pair_l2_prefetch() : 0;
+      with_rows<MaxPairRows>(rows, [&](auto r) { tile(r, std::integral_constant<int, 2>{}, std::false_type{}, it); });
     } else {
       alignas(64) float sums[2 * MaxBlockRows * 16];
       const int64_t block = std::max<int64_t>(1, kIntegerPairBlock / group_bytes);  // groups per block
@@ -1224,14 +1226,13 @@ RoundedRows round_rows(const float* x, int64_t m, int64_t k) {
 }
 
 // A pair read in blocks fetches lines [from, to) of both panels spread evenly over a tile's
-// steps (Bresenham's spread: `owed` counts in units of 1 / steps of a line), and into L2 the
-// lines pair_l2_prefetch() bytes past those it reads, where that is further.
+// steps (Bresenham's spread: `owed` counts in units of 1 / steps of a line), and into L2
+// the lines f.further bytes past those.
 struct SpreadFetch {
   const uint8_t *a, *b;
   int64_t next, lines, steps, owed = 0, further;
   SpreadFetch(const uint8_t* pa, const uint8_t* pb, PairFetch f, int64_t steps)
-      : a(pa), b(pb), next(f.from), lines(f.ahead ? f.to - f.from : 0), steps(steps),
-        further(std::max<int64_t>(0, pair_l2_prefetch() - f.ahead)) {}
+      : a(pa), b(pb), next(f.from), lines(f.ahead ? f.to - f.from : 0), steps(steps), further(f.further) {}
   VERISPEC_PREFETCHES void step() {
     for (owed += lines; owed >= steps; owed -= steps, ++next) {
       fetch_pair_ahead(a + 64 * next, 0, further, 1);
@@ -1286,7 +1287,6 @@ __attribute__((noinline)) void panel_tile(const IntegerTile& tile, int64_t group
   const float* cx = xr.c.data() + row0 * groups;
   const int64_t g_begin = Blocks ? tile.g0 : 0, g_end = Blocks ? tile.g1 : groups;
   SpreadFetch spread(panel[0], panel[S - 1], tile.fetch, g_end - g_begin);
-  const int64_t far = pair_l2_prefetch();
   for (int64_t g = g_begin; g < g_end; ++g) {
     const uint8_t* p[S];
     for (int j = 0; j < S; ++j) p[j] = panel[j] + g * kPanelGroupBytes;
@@ -1295,7 +1295,7 @@ __attribute__((noinline)) void panel_tile(const IntegerTile& tile, int64_t group
     else if (fetch_end && p[0] + ahead + kPanelGroupBytes <= fetch_end)
       fetch_ahead(p[0], ahead, 5);
     else if (S == 2 && ahead)
-      for (int j = 0; j < S; ++j) fetch_pair_ahead(p[j], ahead, far, 5);
+      for (int j = 0; j < S; ++j) fetch_pair_ahead(p[j], ahead, tile.far, 5);
     ILanes sum[N][kChains];
     for (int i = 0; i < N; ++i)
       for (int c = 0; c < kChains; ++c) sum[i][c] = izero();
@@ -1559,6 +1559,7 @@ void float_panel_pair(const uint8_t* pa, const uint8_t* pb, int64_t k, const flo
                       int64_t ahead) {
   constexpr int L = P::kPerLine;
   const int64_t block = m <= kFloatPairRows ? k : kFloatPairBlock / 64 * L;  // inputs per block
+  const int64_t further = m == 1 ? std::max<int64_t>(0, pair_l2_prefetch() - ahead) : 0;
   Lanes sums[kFloatPairMaxRows][8];
   for (int64_t r = 0; r < m; ++r)
     for (int i = 0; i < 8; ++i) sums[r][i] = lzero();
@@ -1566,6 +1567,7 @@ void float_panel_pair(const uint8_t* pa, const uint8_t* pb, int64_t k, const flo
     const int64_t k1 = std::min(k, k0 + block);
     for_each_block_group(m, kFloatPairRows, k0 / L + ahead / 64, (k1 - k0) / L, ahead,
                          [&](int64_t row0, int64_t rows, PairFetch fetch) {
+      fetch.further = further;
       with_rows<kFloatPairRows>(static_cast<int>(rows), [&](auto r) {
         float_pair_steps<P, decltype(r)::value>(pa, pb, k0, k1, x + row0 * k, k, sums + row0, fetch);
       });
@@ -1692,7 +1694,6 @@ __attribute__((noinline)) void int8_panel_tile(const IntegerTile& tile, int64_t 
   start_sums<N, Blocks>(tile, acc);
   const int64_t g_begin = Blocks ? tile.g0 : 0, g_end = Blocks ? tile.g1 : groups;
   SpreadFetch spread(panel[0], panel[S - 1], tile.fetch, g_end - g_begin);
-  const int64_t far = pair_l2_prefetch();
   for (int64_t g = g_begin; g < g_end; ++g) {
     const uint8_t* lines[S];
     for (int j = 0; j < S; ++j) lines[j] = panel[j] + g * kGroup * kPanel;
@@ -1707,7 +1708,7 @@ __attribute__((noinline)) void int8_panel_tile(const IntegerTile& tile, int64_t 
     for (int t = 0; t < kGroup / 4; ++t) {
       if (fetch) _mm_prefetch(reinterpret_cast<const char*>(lines[0] + ahead + 64 * t), _MM_HINT_T0);
       if (fetch_pair)
-        for (int j = 0; j < S; ++j) fetch_pair_ahead(lines[j] + 64 * t, ahead, far, 1);
+        for (int j = 0; j < S; ++j) fetch_pair_ahead(lines[j] + 64 * t, ahead, tile.far, 1);
       for (int j = 0; j < S; ++j) {
         const ILanes first = iwiden8(lines[j] + 64 * t);        // inputs 4t, 4t+1
         const ILanes second = iwiden8(lines[j] + 64 * t + 32);  // inputs 4t+2, 4t+3
@@ -1767,10 +1768,9 @@ template <int S>
 __attribute__((noinline)) void read_panel_lines(const IntegerTile& tile, int64_t k) {
   ILanes seen[S];
   for (int j = 0; j < S; ++j) seen[j] = izero();
-  const int64_t far = pair_l2_prefetch();
   for (int64_t line = 0; line < k * kPanel / 64; ++line)
     for (int j = 0; j < S; ++j) {
-      if (S == 2 && tile.ahead) fetch_pair_ahead(tile.panel[j] + 64 * line, tile.ahead, far, 1);
+      if (S == 2 && tile.ahead) fetch_pair_ahead(tile.panel[j] + 64 * line, tile.ahead, tile.far, 1);
       seen[j] = ior(seen[j], iload(tile.panel[j] + 64 * line));
     }
   for (int j = 0; j < S; ++j) istore(tile.y + tile.col0[j], seen[j]);
