@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -543,6 +544,23 @@ def test_one_row_products_read_by_region_give_the_rows_of_a_longer_pass():
         assert k.stream_sum(t, prefetch, streams, ahead) == pytest.approx(exact, abs=1e-2)
     with pytest.raises(RuntimeError, match="multiple of 64"):
         k.stream_sum(t, True, 2, 100)
+
+
+@needs_kernels
+@pytest.mark.skipif(not shutil.which("objdump"), reason="needs objdump to read the built kernels")
+def test_the_built_pair_tiles_fetch_their_streams_into_l1_and_l2():
+    """Prefetches have no effect a test can see, and GCC once dropped every call to a helper
+    that only prefetches (it counts a prefetch as no side effect). So read the built code: each
+    one-row pair tile (int4, int8, float32) must hold fetches into L1 (prefetcht0) and L2
+    (prefetcht1), whatever processor the distances are set for."""
+    built = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", kernels.cpu_kernels().__file__],
+                           capture_output=True, text=True, check=True).stdout
+    tiles = {"int4": "::panel_tile<1, 2, false>", "int8": "::int8_panel_tile<1, 2, false>",
+             "float32": "::float_pair_steps<(anonymous namespace)::PanelF32, 1>"}
+    for fmt, name in tiles.items():
+        body = next((part for part in built.split("\n\n") if name in part.split("\n", 1)[0]), None)
+        assert body is not None, f"{fmt}: no {name} in the built kernels"
+        assert "prefetcht0" in body and "prefetcht1" in body, f"{fmt}: the pair tile fetches nothing ahead"
 
 
 @needs_kernels
