@@ -163,16 +163,19 @@ inline void parallel_range(int64_t n, int64_t grain, const std::function<void(in
   });
 }
 
+// Sets a fetch distance from Python: whole cache lines, 0 for none.
+void store_distance(std::atomic<int64_t>& distance, int64_t bytes) {
+  TORCH_CHECK(bytes >= 0 && bytes % 64 == 0, "the prefetch distance must be a multiple of 64 bytes, not ", bytes);
+  distance.store(bytes, std::memory_order_relaxed);
+}
+
 // How far ahead a sequential stream of weights is fetched into the cache, 20 KB unless
 // `set_stream_prefetch` changes it (0: none, the hardware prefetcher alone). Without it the
 // int8 and int4 panels read a tenth less than with it; `benchmarks/weight_streams.py
 // --prefetch` compares distances.
 std::atomic<int64_t> g_stream_prefetch{20 * 1024};
 inline int64_t stream_prefetch() { return g_stream_prefetch.load(std::memory_order_relaxed); }
-void set_stream_prefetch(int64_t bytes) {
-  TORCH_CHECK(bytes >= 0 && bytes % 64 == 0, "the prefetch distance must be a multiple of 64 bytes, not ", bytes);
-  g_stream_prefetch.store(bytes, std::memory_order_relaxed);
-}
+void set_stream_prefetch(int64_t bytes) { store_distance(g_stream_prefetch, bytes); }
 
 // An AMD family 19h core with AVX-512: the Zen 4 (the Zen 3 is family 19h without it).
 bool is_zen4() {
@@ -191,10 +194,7 @@ bool is_zen4() {
 int64_t default_pass_stream_prefetch() { return is_zen4() ? 4 * 1024 : stream_prefetch(); }
 std::atomic<int64_t> g_pass_stream_prefetch{default_pass_stream_prefetch()};
 inline int64_t pass_stream_prefetch() { return g_pass_stream_prefetch.load(std::memory_order_relaxed); }
-void set_pass_stream_prefetch(int64_t bytes) {
-  TORCH_CHECK(bytes >= 0 && bytes % 64 == 0, "the prefetch distance must be a multiple of 64 bytes, not ", bytes);
-  g_pass_stream_prefetch.store(bytes, std::memory_order_relaxed);
-}
+void set_pass_stream_prefetch(int64_t bytes) { store_distance(g_pass_stream_prefetch, bytes); }
 
 // How far ahead each of a one-row product's two streams per thread is fetched in software,
 // unless `set_pair_prefetch` changes it: on Intel processors 1.5 KB, elsewhere 0 (the
@@ -210,10 +210,7 @@ int64_t default_pair_prefetch() {
 }
 std::atomic<int64_t> g_pair_prefetch{default_pair_prefetch()};
 inline int64_t pair_prefetch() { return g_pair_prefetch.load(std::memory_order_relaxed); }
-void set_pair_prefetch(int64_t bytes) {
-  TORCH_CHECK(bytes >= 0 && bytes % 64 == 0, "the prefetch distance must be a multiple of 64 bytes, not ", bytes);
-  g_pair_prefetch.store(bytes, std::memory_order_relaxed);
-}
+void set_pair_prefetch(int64_t bytes) { store_distance(g_pair_prefetch, bytes); }
 
 // How far ahead each of a one-row product's two streams per thread is also fetched into L2,
 // where it is fetched in software at all, unless `set_pair_l2_prefetch` changes it: on Intel
@@ -229,10 +226,7 @@ int64_t default_pair_l2_prefetch() {
 }
 std::atomic<int64_t> g_pair_l2_prefetch{default_pair_l2_prefetch()};
 inline int64_t pair_l2_prefetch() { return g_pair_l2_prefetch.load(std::memory_order_relaxed); }
-void set_pair_l2_prefetch(int64_t bytes) {
-  TORCH_CHECK(bytes >= 0 && bytes % 64 == 0, "the prefetch distance must be a multiple of 64 bytes, not ", bytes);
-  g_pair_l2_prefetch.store(bytes, std::memory_order_relaxed);
-}
+void set_pair_l2_prefetch(int64_t bytes) { store_distance(g_pair_l2_prefetch, bytes); }
 
 // How far ahead passes of kPassPairRows rows or more (16-bit float panels: 3), where they
 // read pairs, fetch each stream in software, unless `set_pass_pair_prefetch` changes it: on
@@ -253,10 +247,7 @@ int64_t default_pass_pair_prefetch() {
 }
 std::atomic<int64_t> g_pass_pair_prefetch{default_pass_pair_prefetch()};
 inline int64_t pass_pair_prefetch() { return g_pass_pair_prefetch.load(std::memory_order_relaxed); }
-void set_pass_pair_prefetch(int64_t bytes) {
-  TORCH_CHECK(bytes >= 0 && bytes % 64 == 0, "the prefetch distance must be a multiple of 64 bytes, not ", bytes);
-  g_pass_pair_prefetch.store(bytes, std::memory_order_relaxed);
-}
+void set_pass_pair_prefetch(int64_t bytes) { store_distance(g_pass_pair_prefetch, bytes); }
 // how far ahead a product of `rows` rows that reads pairs fetches each stream, where passes
 // of `pass_rows` rows or more fetch as passes
 inline int64_t pair_prefetch_for(int64_t rows, int64_t pass_rows) {
