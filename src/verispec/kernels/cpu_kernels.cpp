@@ -454,10 +454,10 @@ void for_each_panel_tile(const uint8_t* panels, int64_t count, int64_t stride, i
 }
 
 // Where a pair tile read in blocks fetches: lines [from, to) past each panel's start, spread
-// evenly over its steps, `ahead` bytes past the lines it reads (0: it fetches nothing)
+// evenly over its steps (on: whether it fetches at all)
 struct PairFetch {
   int64_t from, to;
-  int64_t ahead;
+  bool on;
   int64_t further = 0;  // a one-row pair: bytes past those lines also fetched into L2 (0: none)
 };
 
@@ -465,10 +465,10 @@ struct PairFetch {
 // over one block of a pair: each group fetches its share of the next block's lines [line0,
 // line0 + lines), so that memory keeps streaming while the later groups read L1
 template <class Part>
-inline void for_each_block_group(int64_t rows, int64_t max_rows, int64_t line0, int64_t lines, int64_t ahead,
+inline void for_each_block_group(int64_t rows, int64_t max_rows, int64_t line0, int64_t lines, bool fetch,
                                  const Part& part) {
   split_rows(rows, max_rows, [&](int64_t first, int64_t count) {
-    part(first, count, PairFetch{line0 + lines * first / rows, line0 + lines * (first + count) / rows, ahead});
+    part(first, count, PairFetch{line0 + lines * first / rows, line0 + lines * (first + count) / rows, fetch});
   });
 }
 
@@ -530,7 +530,7 @@ void for_each_integer_tile(const uint8_t* panels, int64_t n, int64_t k, int64_t 
       for (int64_t g0 = 0; g0 < groups; g0 += block) {
         const int64_t g1 = std::min(groups, g0 + block);
         for_each_block_group(rows, MaxPairRows, (g0 * group_bytes + ahead) / 64, (g1 - g0) * group_bytes / 64,
-                             ahead, [&](int64_t done, int64_t count, PairFetch fetch) {
+                             ahead != 0, [&](int64_t done, int64_t count, PairFetch fetch) {
           IntegerTile it = part(row0 + done, nullptr, 0);
           it.sums = sums + 2 * 16 * done;
           it.g0 = g0, it.g1 = g1;
@@ -1223,7 +1223,7 @@ struct SpreadFetch {
   const uint8_t *a, *b;
   int64_t next, lines, steps, owed = 0, further;
   SpreadFetch(const uint8_t* pa, const uint8_t* pb, PairFetch f, int64_t steps)
-      : a(pa), b(pb), next(f.from), lines(f.ahead ? f.to - f.from : 0), steps(steps), further(f.further) {}
+      : a(pa), b(pb), next(f.from), lines(f.on ? f.to - f.from : 0), steps(steps), further(f.further) {}
   VERISPEC_PREFETCHES void step() {
     for (owed += lines; owed >= steps; owed -= steps, ++next) {
       fetch_pair_ahead(a + 64 * next, 0, further, 1);
@@ -1556,7 +1556,7 @@ void float_panel_pair(const uint8_t* pa, const uint8_t* pb, int64_t k, const flo
     for (int i = 0; i < 8; ++i) sums[r][i] = lzero();
   for (int64_t k0 = 0; k0 < k; k0 += block) {
     const int64_t k1 = std::min(k, k0 + block);
-    for_each_block_group(m, kFloatPairRows, k0 / L + ahead / 64, (k1 - k0) / L, ahead,
+    for_each_block_group(m, kFloatPairRows, k0 / L + ahead / 64, (k1 - k0) / L, ahead != 0,
                          [&](int64_t row0, int64_t rows, PairFetch fetch) {
       fetch.further = further;
       with_rows<kFloatPairRows>(static_cast<int>(rows), [&](auto r) {
