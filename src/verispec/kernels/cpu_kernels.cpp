@@ -217,9 +217,11 @@ void set_pair_prefetch(int64_t bytes) { store_distance(g_pair_prefetch, bytes); 
 // processors 3 KB, elsewhere 0 (not at all; no further than the fetch into L1: not either). A
 // core keeps only so many lines in flight into L1; fetched into L2 further ahead, more of them
 // are on their way. On the Xeon without AMX, without it one-row steps took 1.03-1.05x (int4,
-// int8), 1.06x (bfloat16) and 1.10x (float32) the time, 2 and 4 KB within 0-6% of 3 KB; passes
-// over 5 positions, which spend longer on each line, took 1.06x the time with it
-// (benchmarks/pair_prefetch.py --knob pair-l2; NOTES.md, "The Xeon without AMX a fourth time").
+// int8), 1.06x (bfloat16) and 1.10x (float32) the time, 2 and 4 KB within 0-6% of 3 KB
+// (benchmarks/pair_prefetch.py --knob pair-l2). Passes, which spend longer on each line, do
+// without it: over 5 positions two runs disagreed, int4's 1.06x and 0.98x the time with it,
+// int8's 0.97x and 1.00x (benchmarks/stack_ab.py --positions 5 --patch
+// variants/l2_fetch_in_passes.patch; NOTES.md, "The Xeon without AMX a fourth time").
 int64_t default_pair_l2_prefetch() {
   __builtin_cpu_init();
   return __builtin_cpu_is("intel") ? 3072 : 0;
@@ -2529,10 +2531,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "that read one stream per thread fetch it (0: leave it to the hardware)");
   m.def("pass_stream_prefetch", &pass_stream_prefetch, "how many bytes ahead products of several rows that read "
         "one stream per thread fetch it");
-  m.def("set_pair_l2_prefetch", &set_pair_l2_prefetch, "how many bytes ahead each of a product's two streams per "
-        "thread is also fetched into L2, where it is fetched in software (0, or no further than into L1: not)");
-  m.def("pair_l2_prefetch", &pair_l2_prefetch, "how many bytes ahead a product's two streams per thread are "
-        "fetched into L2");
+  m.def("set_pair_l2_prefetch", &set_pair_l2_prefetch, "how many bytes ahead each of a one-row product's two "
+        "streams per thread is also fetched into L2, where it is fetched in software (0, or no further than into L1: not)");
+  m.def("pair_l2_prefetch", &pair_l2_prefetch, "how many bytes ahead a one-row product's two streams per thread "
+        "are fetched into L2");
   m.def("set_pair_prefetch", &set_pair_prefetch,
         "how many bytes ahead each of a product's two streams per thread is fetched in software (0: by the hardware alone)");
   m.def("pair_prefetch", &pair_prefetch, "how many bytes ahead a product's two streams per thread are fetched");
