@@ -549,19 +549,22 @@ def test_one_row_products_read_by_region_give_the_rows_of_a_longer_pass():
 @needs_kernels
 def test_the_built_pair_tiles_fetch_their_streams_into_l1_and_l2():
     """Prefetches have no effect a test can see, and GCC once dropped every call to a helper
-    that only prefetches (it counts a prefetch as no side effect). So read the built code: each
-    one-row pair tile (int4, int8, float32) must hold fetches into L1 (prefetcht0) and L2
-    (prefetcht1), whatever processor the distances are set for. objdump comes with the
-    binutils that assembled and linked the kernels, so wherever they build it is there."""
+    that only prefetches (it counts a prefetch as no side effect). So read the built code: the
+    pair tiles of one row and of a pass (int4, int8, float32) must hold fetches into L1
+    (prefetcht0) and L2 (prefetcht1), whatever processor the distances are set for. objdump
+    comes with the binutils that assembled and linked the kernels, so wherever they build it
+    is there."""
     assert shutil.which("objdump"), "objdump (binutils, which built the kernels) is not on the PATH"
     built = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", kernels.cpu_kernels().__file__],
                            capture_output=True, text=True, check=True).stdout
-    tiles = {"int4": "::panel_tile<1, 2, false>", "int8": "::int8_panel_tile<1, 2, false>",
-             "float32": "::float_pair_steps<(anonymous namespace)::PanelF32, 1>"}
-    for fmt, name in tiles.items():
-        body = next((part for part in built.split("\n\n") if name in part.split("\n", 1)[0]), None)
-        assert body is not None, f"{fmt}: no {name} in the built kernels"
-        assert "prefetcht0" in body and "prefetcht1" in body, f"{fmt}: the pair tile fetches nothing ahead"
+    tiles = [("int4", "::panel_tile<{}, 2, false>", (1, 5)), ("int8", "::int8_panel_tile<{}, 2, false>", (1, 5)),
+             ("float32", "::float_pair_steps<(anonymous namespace)::PanelF32, {}>", (1, 3))]
+    for fmt, pattern, sizes in tiles:
+        for rows in sizes:
+            name = pattern.format(rows)
+            body = next((part for part in built.split("\n\n") if name in part.split("\n", 1)[0]), None)
+            assert body is not None, f"{fmt}: no {name} in the built kernels"
+            assert "prefetcht0" in body and "prefetcht1" in body, f"{fmt}: {name} fetches nothing ahead"
 
 
 @needs_kernels
@@ -579,8 +582,8 @@ def test_passes_read_as_pairs_of_panels_give_the_rows_of_single_steps():
     defaults = {kind: k.pair_rows(kind) for kind in ("integer", "float")}
     default_ahead, default_l2 = k.pass_pair_prefetch(), k.pair_l2_prefetch()
     try:
-        # passes of 5 rows or more fetch their pairs pass_pair_prefetch() ahead (the last far past the end);
-        # the L2 distance is for one-row products, and no setting of it may change a pass
+        # passes of 5 rows or more fetch their pairs pass_pair_prefetch() ahead (the last far past the end),
+        # and pairs of every size pair_l2_prefetch() ahead into L2
         for setting, ahead, l2 in ((1, 0, 0), (2, 0, 0), (5, 1024, 3072), (8, 0, 3072), (8, 1024, 0),
                                    (16, 1536, 3072), (100, 1 << 20, 1 << 21)):
             k.set_pair_rows(setting)

@@ -212,16 +212,17 @@ std::atomic<int64_t> g_pair_prefetch{default_pair_prefetch()};
 inline int64_t pair_prefetch() { return g_pair_prefetch.load(std::memory_order_relaxed); }
 void set_pair_prefetch(int64_t bytes) { store_distance(g_pair_prefetch, bytes); }
 
-// How far ahead each of a one-row product's two streams per thread is also fetched into L2,
-// where it is fetched in software at all, unless `set_pair_l2_prefetch` changes it: on Intel
-// processors 3 KB, elsewhere 0 (not at all; no further than the fetch into L1: not either). A
-// core keeps only so many lines in flight into L1; fetched into L2 further ahead, more of them
-// are on their way. On the Xeon without AMX, without it one-row steps took 1.03-1.05x (int4,
-// int8), 1.06x (bfloat16) and 1.10x (float32) the time, 2 and 4 KB within 0-6% of 3 KB
-// (benchmarks/pair_prefetch.py --knob pair-l2). Passes, which spend longer on each line, do
-// without it: over 5 positions two runs disagreed, int4's 1.06x and 0.98x the time with it,
-// int8's 0.97x and 1.00x (benchmarks/stack_ab.py --positions 5 --patch
-// variants/l2_fetch_in_passes.patch; NOTES.md, "The Xeon without AMX a fourth time").
+// How far ahead each of the two streams per thread of a product that reads pairs of panels
+// is also fetched into L2, where it is fetched in software at all, unless
+// `set_pair_l2_prefetch` changes it: on Intel processors 3 KB, elsewhere 0 (not at all; no
+// further than the fetch into L1: not either). A core keeps only so many lines in flight into
+// L1; fetched into L2 further ahead, more of them are on their way. On the Xeon without AMX,
+// without it one-row steps took 1.03-1.05x (int4, int8), 1.06x (bfloat16) and 1.10x
+// (float32) the time, 2 and 4 KB within 0-6% of 3 KB (benchmarks/pair_prefetch.py --knob
+// pair-l2), and passes over 5 positions 1.02x (int4), 1.01x (int8), 1.07x (bfloat16) and
+// 1.08x (float32) (benchmarks/stack_ab.py --positions 5 --patch
+// variants/l2_fetch_only_in_one_row_products.patch; NOTES.md, "The Xeon without AMX a fifth
+// time"). Integer pairs read in blocks (passes of more rows than a pair tile holds) do without.
 int64_t default_pair_l2_prefetch() {
   __builtin_cpu_init();
   return __builtin_cpu_is("intel") ? 3072 : 0;
@@ -460,7 +461,7 @@ void for_each_panel_tile(const uint8_t* panels, int64_t count, int64_t stride, i
 struct PairFetch {
   int64_t from, to;
   bool on;
-  int64_t further = 0;  // a one-row pair: bytes past those lines also fetched into L2 (0: none)
+  int64_t further = 0;  // bytes past those lines also fetched into L2 (0: none)
 };
 
 // part(first, count, fetch) for the groups of at most max_rows (split_rows) that take turns
@@ -488,7 +489,7 @@ struct IntegerTile {
   const float* residual;
   const uint8_t* fetch_end;
   int64_t ahead;
-  int64_t far = 0;  // a one-row pair's fetch into L2 (pair_l2_prefetch)
+  int64_t far = 0;  // a pair's fetch into L2 (pair_l2_prefetch)
   float* sums = nullptr;
   int64_t g0 = 0, g1 = 0;
   PairFetch fetch{0, 0, false};
@@ -524,7 +525,7 @@ void for_each_integer_tile(const uint8_t* panels, int64_t n, int64_t k, int64_t 
       });
     } else if (rows <= MaxPairRows) {  // two streams (fetched pair_prefetch_for bytes ahead)
       IntegerTile it = part(row0, nullptr, ahead);
-      it.far = rows == 1 ? pair_l2_prefetch() : 0;
+      it.far = pair_l2_prefetch();
       with_rows<MaxPairRows>(rows, [&](auto r) { tile(r, std::integral_constant<int, 2>{}, std::false_type{}, it); });
     } else {
       alignas(64) float sums[2 * MaxBlockRows * 16];
@@ -1552,7 +1553,7 @@ void float_panel_pair(const uint8_t* pa, const uint8_t* pb, int64_t k, const flo
                       int64_t ahead) {
   constexpr int L = P::kPerLine;
   const int64_t block = m <= kFloatPairRows ? k : kFloatPairBlock / 64 * L;  // inputs per block
-  const int64_t further = m == 1 ? std::max<int64_t>(0, pair_l2_prefetch() - ahead) : 0;
+  const int64_t further = std::max<int64_t>(0, pair_l2_prefetch() - ahead);
   Lanes sums[kFloatPairMaxRows][8];
   for (int64_t r = 0; r < m; ++r)
     for (int i = 0; i < 8; ++i) sums[r][i] = lzero();
@@ -2531,10 +2532,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "that read one stream per thread fetch it (0: leave it to the hardware)");
   m.def("pass_stream_prefetch", &pass_stream_prefetch, "how many bytes ahead products of several rows that read "
         "one stream per thread fetch it");
-  m.def("set_pair_l2_prefetch", &set_pair_l2_prefetch, "how many bytes ahead each of a one-row product's two "
-        "streams per thread is also fetched into L2, where it is fetched in software (0, or no further than into L1: not)");
-  m.def("pair_l2_prefetch", &pair_l2_prefetch, "how many bytes ahead a one-row product's two streams per thread "
-        "are fetched into L2");
+  m.def("set_pair_l2_prefetch", &set_pair_l2_prefetch, "how many bytes ahead each of the two streams per thread "
+        "of a product that reads pairs is also fetched into L2, where it is fetched in software (0, or no further "
+        "than into L1: not)");
+  m.def("pair_l2_prefetch", &pair_l2_prefetch, "how many bytes ahead the two streams per thread of a product "
+        "that reads pairs are fetched into L2");
   m.def("set_pair_prefetch", &set_pair_prefetch,
         "how many bytes ahead each of a product's two streams per thread is fetched in software (0: by the hardware alone)");
   m.def("pair_prefetch", &pair_prefetch, "how many bytes ahead a product's two streams per thread are fetched");
