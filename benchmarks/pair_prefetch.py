@@ -16,8 +16,7 @@ read pairs use the one-row distance (`pair`), passes of `pass_pair_rows` rows or
 bfloat16 3) that read pairs `pass-pair`, and passes with more rows than the format reads as
 pairs one stream per thread (`pass-stream`); one-row products read one stream per thread
 (`stream`) only under `set_panel_streams(1)`. Where pairs are fetched in software, they are
-also fetched into L2 further ahead (`pair-l2`; 0 or no further than the first: not at all),
-except integer pairs read in blocks (passes of more rows than a pair tile holds).
+also fetched into L2 further ahead (`pair-l2`; 0 or no further than the first: not at all).
 --knob picks one; by default it is the one the kernels use for M positions in each format.
 
 For each weight format the model runs forward passes over M positions after a short prompt
