@@ -550,21 +550,20 @@ def test_one_row_products_read_by_region_give_the_rows_of_a_longer_pass():
 def test_the_built_pair_tiles_fetch_their_streams_into_l1_and_l2():
     """Prefetches have no effect a test can see, and GCC once dropped every call to a helper
     that only prefetches (it counts a prefetch as no side effect). So read the built code: the
-    pair tiles of one row and of a pass (int4, int8, float32) must hold fetches into L1
-    (prefetcht0) and L2 (prefetcht1), whatever processor the distances are set for. objdump
-    comes with the binutils that assembled and linked the kernels, so wherever they build it
-    is there."""
+    pair tiles of one row, of a pass and of a pass read in blocks (int4, int8, float32) must
+    hold fetches into L1 (prefetcht0) and L2 (prefetcht1), whatever processor the distances
+    are set for. objdump comes with the binutils that assembled and linked the kernels, so
+    wherever they build it is there."""
     assert shutil.which("objdump"), "objdump (binutils, which built the kernels) is not on the PATH"
     built = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", kernels.cpu_kernels().__file__],
                            capture_output=True, text=True, check=True).stdout
-    tiles = [("int4", "::panel_tile<{}, 2, false>", (1, 5)), ("int8", "::int8_panel_tile<{}, 2, false>", (1, 5)),
-             ("float32", "::float_pair_steps<(anonymous namespace)::PanelF32, {}>", (1, 3))]
-    for fmt, pattern, sizes in tiles:
-        for rows in sizes:
-            name = pattern.format(rows)
-            body = next((part for part in built.split("\n\n") if name in part.split("\n", 1)[0]), None)
-            assert body is not None, f"{fmt}: no {name} in the built kernels"
-            assert "prefetcht0" in body and "prefetcht1" in body, f"{fmt}: {name} fetches nothing ahead"
+    integer_tiles = ("<1, 2, false>", "<5, 2, false>", "<8, 2, true>")  # rows, panels, read in blocks
+    tiles = [f"::panel_tile{t}" for t in integer_tiles] + [f"::int8_panel_tile{t}" for t in integer_tiles]
+    tiles += [f"::float_pair_steps<(anonymous namespace)::PanelF32, {rows}>" for rows in (1, 3)]
+    for name in tiles:
+        body = next((part for part in built.split("\n\n") if name in part.split("\n", 1)[0]), None)
+        assert body is not None, f"no {name} in the built kernels"
+        assert "prefetcht0" in body and "prefetcht1" in body, f"{name} fetches nothing ahead"
 
 
 @needs_kernels
