@@ -1497,24 +1497,33 @@ def test_read_bandwidth_by_buffer_size_and_the_last_level_cache(monkeypatch, tmp
     assert torch.get_num_threads() == threads  # the thread count is put back
 
 
-def test_product_starts_builds_int4_products_that_the_kernels_multiply(monkeypatch):
-    """product_starts.py --weights int4: each of a layer's products is a valid int4 panel
-    tensor (finite scales, the kernel's product equals the canonical weights' within the
-    activations' rounding), and its loads-only view is the same bytes as int8 panels."""
+@pytest.mark.parametrize("model", ["1.5b", "0.5b"])
+def test_product_starts_builds_int4_products_that_the_kernels_multiply(monkeypatch, model):
+    """product_starts.py --weights int4 (--model): each of a layer's products is a valid int4
+    panel tensor (finite scales, the kernel's product equals the canonical weights' within the
+    activations' rounding), and its loads-only view is the same bytes as int8 panels, read
+    alone only where they make whole groups of 32 inputs (the 0.5B's 896 inputs do not)."""
     import importlib
 
     from verispec.quant import int4_from_panels, int4_to_float
 
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     product_starts = importlib.import_module("product_starts")
-    flat, products, inputs, _ = product_starts.build(1, "int4")
-    assert flat.numel() == sum(product_starts.panel_bytes("int4", n, k) for n, k in product_starts.SHAPES.values())
-    for name, (n, k) in product_starts.SHAPES.items():
+    layers, shapes = product_starts.MODELS[model]
+    assert layers == {"1.5b": 28, "0.5b": 24}[model]
+    flat, products, inputs, _ = product_starts.build(1, "int4", shapes)
+    assert flat.numel() == sum(product_starts.panel_bytes("int4", n, k) for n, k in shapes.values())
+    for name, (n, k) in shapes.items():
         panels = products[name][0]
         assert tuple(panels.shape) == (n // 16, k // 32, 320)
         view = product_starts.as_int8_panels(panels)
         assert view.dtype == torch.int8 and view.data_ptr() == panels.data_ptr() and view.numel() == panels.numel()
-        assert view.shape[1] * 4 % 32 == 0  # whole groups for read_int8_panels
+        whole_groups = view.shape[1] * 4 % 32 == 0
+        # a panel's 10 B per input are 10 / 16 of an input of 16 int8 columns: whole groups where 10k / 16 is
+        # a multiple of 32
+        assert product_starts.reads_as_int8_panels(panels) == whole_groups == (k * 10 % 512 == 0)
+    _, int8_products, _, _ = product_starts.build(1, "int8", shapes)
+    assert all(product_starts.reads_as_int8_panels(p[0]) for p in int8_products.values())
     nibbles, scales = int4_from_panels(products["o"][0])
     reference = inputs["o"] @ int4_to_float(nibbles, scales).T
     assert torch.isfinite(reference).all()
@@ -1522,4 +1531,4 @@ def test_product_starts_builds_int4_products_that_the_kernels_multiply(monkeypat
     if k is not None and hasattr(k, "linear_int4_panels"):
         y = k.linear_int4_panels(inputs["o"], products["o"][0], None, None)
         assert (y - reference).abs().max() <= 0.02 * reference.abs().max()
-        assert k.read_int8_panels(product_starts.as_int8_panels(products["down"][0])).shape == (1, 1536)
+        assert k.read_int8_panels(product_starts.as_int8_panels(products["down"][0])).shape == (1, shapes["down"][0])
