@@ -467,12 +467,16 @@ struct PairFetch {
 
 // part(first, count, fetch) for the groups of at most max_rows (split_rows) that take turns
 // over one block of a pair: each group fetches its share of the next block's lines [line0,
-// line0 + lines), so that memory keeps streaming while the later groups read L1
+// line0 + lines), `ahead` bytes past the block being read (0: nothing fetched), so that
+// memory keeps streaming while the later groups read L1, and the same lines pair_l2_prefetch()
+// bytes past it into L2
 template <class Part>
-inline void for_each_block_group(int64_t rows, int64_t max_rows, int64_t line0, int64_t lines, bool fetch,
+inline void for_each_block_group(int64_t rows, int64_t max_rows, int64_t line0, int64_t lines, int64_t ahead,
                                  const Part& part) {
+  const int64_t further = std::max<int64_t>(0, pair_l2_prefetch() - ahead);
   split_rows(rows, max_rows, [&](int64_t first, int64_t count) {
-    part(first, count, PairFetch{line0 + lines * first / rows, line0 + lines * (first + count) / rows, fetch});
+    part(first, count,
+         PairFetch{line0 + lines * first / rows, line0 + lines * (first + count) / rows, ahead != 0, further});
   });
 }
 
@@ -490,7 +494,7 @@ struct IntegerTile {
   const float* residual;
   const uint8_t* fetch_end;
   int64_t ahead;
-  int64_t far = 0;  // a pair's fetch into L2 (pair_l2_prefetch)
+  int64_t far;  // a pair's fetch into L2 (pair_l2_prefetch; a single panel has none)
   float* sums = nullptr;
   int64_t g0 = 0, g1 = 0;
   PairFetch fetch{0, 0, false};
@@ -515,7 +519,8 @@ void for_each_integer_tile(const uint8_t* panels, int64_t n, int64_t k, int64_t 
                       [&](int rows, int64_t p, int64_t q, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
     const auto part = [&](int64_t first, const uint8_t* fetch_end, int64_t ahead) {
       return IntegerTile{{panels + p * stride, panels + q * stride}, {p * kPanel, q * kPanel}, first,
-                         y + first * n, residual ? residual + first * n : nullptr, fetch_end, ahead};
+                         y + first * n, residual ? residual + first * n : nullptr, fetch_end, ahead,
+                         pair_l2_prefetch()};
     };
     if (q < 0) {  // one panel: a pass read as one stream, or a region's odd one out, in tiles
       split_rows(rows, MaxRows, [&](int64_t first, int64_t count) {
@@ -525,22 +530,20 @@ void for_each_integer_tile(const uint8_t* panels, int64_t n, int64_t k, int64_t 
         });
       });
     } else if (rows <= MaxPairRows) {  // two streams (fetched pair_prefetch_for bytes ahead)
-      IntegerTile it = part(row0, nullptr, ahead);
-      it.far = pair_l2_prefetch();
-      with_rows<MaxPairRows>(rows, [&](auto r) { tile(r, std::integral_constant<int, 2>{}, std::false_type{}, it); });
+      with_rows<MaxPairRows>(rows, [&](auto r) {
+        tile(r, std::integral_constant<int, 2>{}, std::false_type{}, part(row0, nullptr, ahead));
+      });
     } else {
       alignas(64) float sums[2 * MaxBlockRows * 16];
       const int64_t block = std::max<int64_t>(1, kIntegerPairBlock / group_bytes);  // groups per block
-      const int64_t further = std::max<int64_t>(0, pair_l2_prefetch() - ahead);
       for (int64_t g0 = 0; g0 < groups; g0 += block) {
         const int64_t g1 = std::min(groups, g0 + block);
         for_each_block_group(rows, MaxPairRows, (g0 * group_bytes + ahead) / 64, (g1 - g0) * group_bytes / 64,
-                             ahead != 0, [&](int64_t done, int64_t count, PairFetch fetch) {
+                             ahead, [&](int64_t done, int64_t count, PairFetch fetch) {
           IntegerTile it = part(row0 + done, nullptr, 0);
           it.sums = sums + 2 * 16 * done;
           it.g0 = g0, it.g1 = g1;
           it.fetch = fetch;
-          it.fetch.further = further;
           with_rows<MaxPairRows>(static_cast<int>(count), [&](auto r) {
             tile(r, std::integral_constant<int, 2>{}, std::true_type{}, it);
           });
@@ -1556,15 +1559,13 @@ void float_panel_pair(const uint8_t* pa, const uint8_t* pb, int64_t k, const flo
                       int64_t ahead) {
   constexpr int L = P::kPerLine;
   const int64_t block = m <= kFloatPairRows ? k : kFloatPairBlock / 64 * L;  // inputs per block
-  const int64_t further = std::max<int64_t>(0, pair_l2_prefetch() - ahead);
   Lanes sums[kFloatPairMaxRows][8];
   for (int64_t r = 0; r < m; ++r)
     for (int i = 0; i < 8; ++i) sums[r][i] = lzero();
   for (int64_t k0 = 0; k0 < k; k0 += block) {
     const int64_t k1 = std::min(k, k0 + block);
-    for_each_block_group(m, kFloatPairRows, k0 / L + ahead / 64, (k1 - k0) / L, ahead != 0,
+    for_each_block_group(m, kFloatPairRows, k0 / L + ahead / 64, (k1 - k0) / L, ahead,
                          [&](int64_t row0, int64_t rows, PairFetch fetch) {
-      fetch.further = further;
       with_rows<kFloatPairRows>(static_cast<int>(rows), [&](auto r) {
         float_pair_steps<P, decltype(r)::value>(pa, pb, k0, k1, x + row0 * k, k, sums + row0, fetch);
       });
