@@ -547,6 +547,51 @@ def test_one_row_products_read_by_region_give_the_rows_of_a_longer_pass():
 
 
 @needs_kernels
+def test_products_split_between_threads_give_the_same_bits_whoever_reads_each_piece():
+    """Each thread reads its own region from the front and then takes pieces from the back of
+    the others', smaller near their ends: every panel is computed once, by whichever thread.
+    Repeated, so that the pieces fall differently between the threads each time."""
+    products, n = _products_of_111_panels(seed=21)
+    gen = torch.Generator().manual_seed(22)
+    x, residual = _rows(256, seed=23, count=1), torch.randn(1, n, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # one region: nothing to take from another thread
+        alone = [product(x, residual) for product in products]
+        torch.set_num_threads(2)
+        for _ in range(40):
+            assert all(torch.equal(product(x, residual), y) for product, y in zip(products, alone))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
+def test_what_helpers_read_ahead_of_a_product_changes_speed_only(folder):
+    """While the calling thread does a layer's serial work, the helpers read the start of their
+    regions of the next product: logits the same with none, the default, and more than a
+    region holds (each read stops at its region's end)."""
+    k = kernels.cpu_kernels()
+    loaded = _load(folder, "int4")
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    default = k.helper_prefetch()
+    try:
+        logits = []
+        for bytes_ in (0, default, 1 << 30):
+            k.set_helper_prefetch(bytes_)
+            steps = []
+            cache = loaded.model.new_cache(8)
+            for i in range(ids.shape[1]):  # one-row steps, the read-ahead's case
+                steps.append(loaded.model(ids[:, i:i + 1], cache)[0])
+            logits.append(torch.cat(steps))
+        assert all(torch.equal(each, logits[0]) for each in logits)
+        with pytest.raises(RuntimeError, match="multiple of 64"):
+            k.set_helper_prefetch(1000)
+    finally:
+        k.set_helper_prefetch(default)
+    assert default == 32 * 1024
+
+
+@needs_kernels
 def test_the_built_pair_tiles_fetch_their_streams_into_l1_and_l2():
     """Prefetches have no effect a test can see, and GCC once dropped every call to a helper
     that only prefetches (it counts a prefetch as no side effect). So read the built code: the

@@ -60,11 +60,30 @@ namespace {
 // of 15 ms took 500 ms on a loaded 2-core machine). Here the calling thread takes chunks
 // of work from a shared counter and helpers join in when they are awake: the loop ends
 // when every chunk is done, never waiting for a helper that has not started.
+// The start of each region of a product to come, as for_each_region_piece splits it:
+// `regions` regions of `count` panels of `stride` bytes, read as two streams each.
+struct RegionStart {
+  const uint8_t* panels;
+  int64_t count, stride, regions, bytes;  // bytes: how much of each stream to read
+};
+void read_region_start(const RegionStart& start, int64_t region);
+
 class WorkPool {
  public:
   static WorkPool& instance() {
     static WorkPool pool;
     return pool;
+  }
+
+  // Has each awake helper read the start of its region of a product to come (helper i,
+  // region i) into its cache, and returns at once. The helpers and the memory are idle while
+  // the calling thread does a layer's serial work (a norm, SwiGLU); a helper still reading
+  // when run() comes joins that run late, which run() allows for.
+  void read_ahead(const RegionStart& start) {
+    if (helpers_.empty() || sleeping_.load(std::memory_order_relaxed)) return;  // waking costs more
+    const uint64_t seq = errand_.load(std::memory_order_relaxed) + 1;
+    errands_[seq & 1] = start;
+    errand_.store(seq, std::memory_order_release);
   }
 
   // how many threads a call to run() can use
@@ -116,13 +135,20 @@ class WorkPool {
   }
 
   void helper(unsigned id) {
-    uint64_t seen = 0;
+    uint64_t seen = 0, errand_seen = 0;
     for (;;) {
       for (int spins = 0;; ++spins) {  // spin briefly: the next call usually follows within microseconds
         const uint64_t gen = ticket_.load(std::memory_order_acquire) >> 48;
         if (gen != seen) {
           seen = gen;
           if (id <= helpers_wanted_.load()) work(gen);
+          spins = 0;
+          continue;
+        }
+        const uint64_t errand = errand_.load(std::memory_order_acquire);
+        if (errand != errand_seen) {
+          errand_seen = errand;
+          if (id < errands_[errand & 1].regions) read_region_start(errands_[errand & 1], id);
           spins = 0;
           continue;
         }
@@ -144,6 +170,8 @@ class WorkPool {
   std::atomic<int> sleeping_{0};
   std::atomic<bool> busy_{false};
   const std::function<void(int64_t)>* slots_[2] = {nullptr, nullptr};
+  std::atomic<uint64_t> errand_{0};  // how many read_ahead() calls so far
+  RegionStart errands_[2] = {};
   std::mutex mutex_;
   std::condition_variable wake_;
 };
@@ -317,27 +345,73 @@ void set_panel_streams(int64_t streams) {
 
 // A one-row product reads one region of the panels per thread. Each thread takes pieces of
 // about 64 KB from the front of its own region, so that its reads stay unbroken streams,
-// and then from the other regions' fronts once its own is done: balanced to a piece, with
-// one start per stream when no thread falls behind. (Pieces taken in turn from a shared
-// counter restarted the streams at every piece; each start costs the memory's latency
-// before the prefetcher is ahead again.) Products under 128 KB per thread use fewer threads.
-//
+// and then, once its own is done, pieces from the back of the others', so that theirs do too;
+// near a region's end the pieces shrink to a quarter of what is left (down to a quarter
+// piece). (Pieces taken in turn from a shared counter restarted the streams at every piece;
+// each start costs the memory's latency before the prefetcher is ahead again. Pieces taken
+// from the front of another's region broke its stream: smaller pieces taken that way made
+// the 0.5B's one-row int4 steps 1.02x as long, from the back 0.99x, on the Xeon without
+// AMX; NOTES.md, "The Xeon without AMX a sixth time".) Products under 128 KB per thread use
+// fewer threads.
+inline int64_t region_grain(int64_t stride) { return std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, stride)); }
+// how many regions (one per thread) a product of `count` panels of `stride` bytes is read in
+inline int64_t region_count(int64_t count, int64_t stride) {
+  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count / (2 * region_grain(stride))));
+}
+
 // body(task, lo, hi, begin, end): units [begin, end) of region [lo, hi), which has
 // units(lo, hi), for task `task` (one per thread, in [0, threads))
 template <class Units, class Body>
 void for_each_region_piece(int64_t count, int64_t stride, int64_t unit_panels, const Units& units, const Body& body) {
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, stride));
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count / (2 * grain)));
-  const int64_t piece = std::max<int64_t>(1, grain / unit_panels);
-  struct alignas(64) Cursor { std::atomic<int64_t> next{0}; };
-  std::vector<Cursor> cursors(threads);
+  const int64_t threads = region_count(count, stride);
+  const int64_t piece = std::max<int64_t>(1, region_grain(stride) / unit_panels), least = std::max<int64_t>(1, piece / 4);
+  // the units [front, back) of a region not yet taken, in one word: front in the high half
+  struct alignas(64) Span { std::atomic<uint64_t> word{0}; };
+  std::vector<Span> spans(threads);
+  for (int64_t r = 0; r < threads; ++r)
+    spans[r].word.store(static_cast<uint64_t>(units(count * r / threads, count * (r + 1) / threads)));
   WorkPool::instance().run(threads, [&](int64_t first) {
     for (int64_t visited = 0, r = first; visited < threads; ++visited, r = (r + 1) % threads) {
-      const int64_t lo = count * r / threads, hi = count * (r + 1) / threads, n = units(lo, hi);
-      for (int64_t j; (j = cursors[r].next.fetch_add(piece, std::memory_order_relaxed)) < n;)
-        body(first, lo, hi, j, std::min(n, j + piece));
+      const int64_t lo = count * r / threads, hi = count * (r + 1) / threads;
+      const bool own = visited == 0;
+      for (uint64_t word = spans[r].word.load(std::memory_order_relaxed);;) {
+        const int64_t front = static_cast<int64_t>(word >> 32), back = static_cast<int64_t>(word & 0xFFFFFFFFu);
+        if (front >= back) break;
+        const int64_t take = std::min(back - front, std::min(piece, std::max(least, (back - front) / 4)));
+        const uint64_t taken = own ? word + (static_cast<uint64_t>(take) << 32) : word - static_cast<uint64_t>(take);
+        if (!spans[r].word.compare_exchange_weak(word, taken, std::memory_order_relaxed)) continue;
+        body(first, lo, hi, own ? front : back - take, own ? front + take : back);
+        word = spans[r].word.load(std::memory_order_relaxed);
+      }
     }
   });
+}
+
+// How much of the start of each of its two streams a helper reads, for the product the
+// calling thread is about to run, while that thread does a layer's serial work
+// (WorkPool::read_ahead), unless `set_helper_prefetch` changes it; 0: nothing. On the Xeon
+// without AMX, 32 KB and the pieces taken from the back above took the 0.5B's one-row int4
+// steps to 0.98x the time (64 and 128 KB: 0.99x), the 1.5B's int8 steps 0.98x, its int4
+// steps 0.99x; software prefetches in place of the loads gained nothing
+// (benchmarks/pair_prefetch.py --knob helper compares sizes; benchmarks/stack_ab.py --patch
+// variants/pieces_from_the_front_and_no_helper_reads.patch undoes both; NOTES.md, "The Xeon
+// without AMX a sixth time").
+std::atomic<int64_t> g_helper_prefetch{32 * 1024};
+inline int64_t helper_prefetch() { return g_helper_prefetch.load(std::memory_order_relaxed); }
+void set_helper_prefetch(int64_t bytes) { store_distance(g_helper_prefetch, bytes); }
+
+// Reads a byte of every line of the first start.bytes of region `region`'s two streams (as
+// for_each_panel_pair splits it), side by side. Loads, not prefetches: a burst of a thousand
+// prefetches gained nothing where the loads did.
+void read_region_start(const RegionStart& start, int64_t region) {
+  const int64_t lo = start.count * region / start.regions, hi = start.count * (region + 1) / start.regions;
+  const int64_t half = (hi - lo + 1) / 2, bytes = std::min(start.bytes, half * start.stride);
+  const volatile uint8_t *first = start.panels + lo * start.stride, *second = start.panels + (lo + half) * start.stride;
+  const bool pair = lo + half < hi;
+  uint8_t sink = 0;
+  for (int64_t at = 0; at < bytes; at += 64) sink ^= first[at] ^ (pair ? second[at] : 0);
+  static std::atomic<uint8_t> g_sink;  // so that the loads are kept
+  g_sink.store(sink, std::memory_order_relaxed);
 }
 
 // Products of up to this many rows read their panels as a one-row product does, two streams
@@ -2294,13 +2368,23 @@ ProductFn product_kernel(const std::string& name, size_t tensors) {
 // One projection: a kernel bound to its weight tensors and bias. Callable as product(x, residual).
 struct Product {
   Product(const std::string& kernel, std::vector<at::Tensor> weights, c10::optional<at::Tensor> bias)
-      : fn(product_kernel(kernel, weights.size())), weights(std::move(weights)), bias(std::move(bias)) {}
+      : fn(product_kernel(kernel, weights.size())), weights(std::move(weights)), bias(std::move(bias)),
+        panels(kernel.size() > 7 && kernel.compare(kernel.size() - 7, 7, "_panels") == 0) {}
   at::Tensor operator()(const at::Tensor& x, const c10::optional<at::Tensor>& residual = c10::nullopt) const {
     return fn(x, weights, bias, residual);
+  }
+  // has the helpers read the start of their regions of this product's panels (read_ahead)
+  void read_ahead() const {
+    if (!panels || !helper_prefetch()) return;
+    const at::Tensor& p = weights[0];  // [panels, ...]
+    const int64_t count = p.size(0), stride = p.nbytes() / count;
+    WorkPool::instance().read_ahead(RegionStart{static_cast<const uint8_t*>(p.data_ptr()), count, stride,
+                                                region_count(count, stride), helper_prefetch()});
   }
   ProductFn fn;
   std::vector<at::Tensor> weights;
   c10::optional<at::Tensor> bias;
+  bool panels;  // a panel kernel: weights[0] is [panels, ...], read by region
 };
 
 struct DecoderLayer {
@@ -2313,20 +2397,25 @@ struct DecoderLayer {
 };
 
 // x [m, hidden] through every layer: the hidden states after the last (before the final norm).
+// Before each norm and SwiGLU the helpers start reading the product that follows it.
 // k and v are the cache's [layers, 1, kv_heads, length, head_dim] tensors; positions start at `start`.
 struct DecoderStack {
   std::vector<DecoderLayer> layers;
   at::Tensor forward(at::Tensor x, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                      const at::Tensor& sin, int64_t start) const {
     for (const DecoderLayer& layer : layers) {
+      layer.qkv.read_ahead();
       at::Tensor h = rms_norm(x, layer.norm1, layer.eps1);
       const at::Tensor qkv = layer.qkv(h);
       const at::Tensor attended = attention(qkv, k.select(0, layer.index).select(0, 0),
                                             v.select(0, layer.index).select(0, 0), cos, sin, start, layer.heads,
                                             layer.kv_heads, layer.window, layer.q_norm, layer.k_norm, layer.qk_eps);
       x = layer.out(attended, x);
+      layer.gate_up.read_ahead();
       h = rms_norm(x, layer.norm2, layer.eps2);
-      x = layer.down(silu_mul(layer.gate_up(h)), x);
+      const at::Tensor gate_up = layer.gate_up(h);
+      layer.down.read_ahead();
+      x = layer.down(silu_mul(gate_up), x);
     }
     return x;
   }
@@ -2536,6 +2625,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "that read one stream per thread fetch it (0: leave it to the hardware)");
   m.def("pass_stream_prefetch", &pass_stream_prefetch, "how many bytes ahead products of several rows that read "
         "one stream per thread fetch it");
+  m.def("set_helper_prefetch", &set_helper_prefetch, "how many bytes of the start of each of its two streams "
+        "a helper reads for the next product of a decoder stack while the calling thread does a layer's serial work "
+        "(0: none)");
+  m.def("helper_prefetch", &helper_prefetch, "how many bytes of each of its streams a helper reads ahead of a product");
   m.def("set_pair_l2_prefetch", &set_pair_l2_prefetch, "how many bytes ahead each of the two streams per thread "
         "of a product that reads pairs is also fetched into L2, where it is fetched in software (0, or no further "
         "than into L1: not)");
