@@ -53,13 +53,7 @@
 namespace {
 
 // ------------------------------------------------------------------ threads
-//
-// A parallel loop that tolerates a busy machine. OpenMP's fork-join waits at every
-// barrier for each thread to arrive, so when another process holds a core, each of the
-// hundreds of parallel regions in a decoding step waits out a scheduler time slice (a step
-// of 15 ms took 500 ms on a loaded 2-core machine). Here the calling thread takes chunks
-// of work from a shared counter and helpers join in when they are awake: the loop ends
-// when every chunk is done, never waiting for a helper that has not started.
+
 // The start of each region of a product to come, as for_each_region_piece splits it:
 // `regions` regions of `count` panels of `stride` bytes, read as two streams each.
 struct RegionStart {
@@ -68,6 +62,12 @@ struct RegionStart {
 };
 void read_region_start(const RegionStart& start, int64_t region);
 
+// A parallel loop that tolerates a busy machine. OpenMP's fork-join waits at every
+// barrier for each thread to arrive, so when another process holds a core, each of the
+// hundreds of parallel regions in a decoding step waits out a scheduler time slice (a step
+// of 15 ms took 500 ms on a loaded 2-core machine). Here the calling thread takes chunks
+// of work from a shared counter and helpers join in when they are awake: the loop ends
+// when every chunk is done, never waiting for a helper that has not started.
 class WorkPool {
  public:
   static WorkPool& instance() {
@@ -353,6 +353,7 @@ void set_panel_streams(int64_t streams) {
 // the 0.5B's one-row int4 steps 1.02x as long, from the back 0.99x, on the Xeon without
 // AMX; NOTES.md, "The Xeon without AMX a sixth time".) Products under 128 KB per thread use
 // fewer threads.
+// panels to a piece of about 64 KB
 inline int64_t region_grain(int64_t stride) { return std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, stride)); }
 // how many regions (one per thread) a product of `count` panels of `stride` bytes is read in
 inline int64_t region_count(int64_t count, int64_t stride) {
@@ -365,7 +366,7 @@ template <class Units, class Body>
 void for_each_region_piece(int64_t count, int64_t stride, int64_t unit_panels, const Units& units, const Body& body) {
   const int64_t threads = region_count(count, stride);
   const int64_t piece = std::max<int64_t>(1, region_grain(stride) / unit_panels), least = std::max<int64_t>(1, piece / 4);
-  // the units [front, back) of a region not yet taken, in one word: front in the high half
+  // the units [front, back) of a region not yet taken (fewer than 2^32), in one word: front in the high half
   struct alignas(64) Span { std::atomic<uint64_t> word{0}; };
   std::vector<Span> spans(threads);
   for (int64_t r = 0; r < threads; ++r)
@@ -392,7 +393,7 @@ void for_each_region_piece(int64_t count, int64_t stride, int64_t unit_panels, c
 // (WorkPool::read_ahead), unless `set_helper_prefetch` changes it; 0: nothing. On the Xeon
 // without AMX, 32 KB and the pieces taken from the back above took the 0.5B's one-row int4
 // steps to 0.98x the time (64 and 128 KB: 0.99x), the 1.5B's int8 steps 0.98x, its int4
-// steps 0.99x; software prefetches in place of the loads gained nothing
+// steps 0.99x; in one run the size alone, against 32 KB: none 1.000x, 64 KB 0.989x
 // (benchmarks/pair_prefetch.py --knob helper compares sizes; benchmarks/stack_ab.py --patch
 // variants/pieces_from_the_front_and_no_helper_reads.patch undoes both; NOTES.md, "The Xeon
 // without AMX a sixth time").
@@ -401,8 +402,8 @@ inline int64_t helper_prefetch() { return g_helper_prefetch.load(std::memory_ord
 void set_helper_prefetch(int64_t bytes) { store_distance(g_helper_prefetch, bytes); }
 
 // Reads a byte of every line of the first start.bytes of region `region`'s two streams (as
-// for_each_panel_pair splits it), side by side. Loads, not prefetches: a burst of a thousand
-// prefetches gained nothing where the loads did.
+// for_each_panel_pair splits it), side by side. Loads, not prefetches: as software
+// prefetches into L2 the same reads took 0.99-1.00x the time, as loads 0.99x.
 void read_region_start(const RegionStart& start, int64_t region) {
   const int64_t lo = start.count * region / start.regions, hi = start.count * (region + 1) / start.regions;
   const int64_t half = (hi - lo + 1) / 2, bytes = std::min(start.bytes, half * start.stride);
