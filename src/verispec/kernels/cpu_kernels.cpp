@@ -360,6 +360,11 @@ inline int64_t region_count(int64_t count, int64_t stride) {
   return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count / (2 * region_grain(stride))));
 }
 
+// where region r of `regions` starts, in panels (region r is [region_start(r), region_start(r + 1)))
+inline int64_t region_start(int64_t count, int64_t regions, int64_t r) { return count * r / regions; }
+// how many panels of region [lo, hi) its first stream reads when read as a pair (the second: the rest)
+inline int64_t pair_half(int64_t lo, int64_t hi) { return (hi - lo + 1) / 2; }
+
 // body(task, lo, hi, begin, end): units [begin, end) of region [lo, hi), which has
 // units(lo, hi), for task `task` (one per thread, in [0, threads))
 template <class Units, class Body>
@@ -370,10 +375,11 @@ void for_each_region_piece(int64_t count, int64_t stride, int64_t unit_panels, c
   struct alignas(64) Span { std::atomic<uint64_t> word{0}; };
   std::vector<Span> spans(threads);
   for (int64_t r = 0; r < threads; ++r)
-    spans[r].word.store(static_cast<uint64_t>(units(count * r / threads, count * (r + 1) / threads)));
+    spans[r].word.store(static_cast<uint64_t>(units(region_start(count, threads, r),
+                                                    region_start(count, threads, r + 1))));
   WorkPool::instance().run(threads, [&](int64_t first) {
     for (int64_t visited = 0, r = first; visited < threads; ++visited, r = (r + 1) % threads) {
-      const int64_t lo = count * r / threads, hi = count * (r + 1) / threads;
+      const int64_t lo = region_start(count, threads, r), hi = region_start(count, threads, r + 1);
       const bool own = visited == 0;
       for (uint64_t word = spans[r].word.load(std::memory_order_relaxed);;) {
         const int64_t front = static_cast<int64_t>(word >> 32), back = static_cast<int64_t>(word & 0xFFFFFFFFu);
@@ -405,8 +411,9 @@ void set_helper_prefetch(int64_t bytes) { store_distance(g_helper_prefetch, byte
 // for_each_panel_pair splits it), side by side. Loads, not prefetches: as software
 // prefetches into L2 the same reads took 0.99-1.00x the time, as loads 0.99x.
 void read_region_start(const RegionStart& start, int64_t region) {
-  const int64_t lo = start.count * region / start.regions, hi = start.count * (region + 1) / start.regions;
-  const int64_t half = (hi - lo + 1) / 2, bytes = std::min(start.bytes, half * start.stride);
+  const int64_t lo = region_start(start.count, start.regions, region);
+  const int64_t hi = region_start(start.count, start.regions, region + 1);
+  const int64_t half = pair_half(lo, hi), bytes = std::min(start.bytes, half * start.stride);
   const volatile uint8_t *first = start.panels + lo * start.stride, *second = start.panels + (lo + half) * start.stride;
   const bool pair = lo + half < hi;
   uint8_t sink = 0;
@@ -458,9 +465,9 @@ void set_pair_rows(int64_t rows, const std::string& kind) {
 // where an odd region leaves p alone)
 template <class Pair>
 void for_each_panel_pair(int64_t count, int64_t stride, const Pair& pair) {
-  for_each_region_piece(count, stride, 2, [](int64_t lo, int64_t hi) { return (hi - lo + 1) / 2; },
+  for_each_region_piece(count, stride, 2, pair_half,
                         [&](int64_t, int64_t lo, int64_t hi, int64_t begin, int64_t end) {
-    const int64_t half = (hi - lo + 1) / 2;
+    const int64_t half = pair_half(lo, hi);
     for (int64_t i = begin; i < end; ++i) pair(lo + i, lo + half + i < hi ? lo + half + i : -1);
   });
 }
