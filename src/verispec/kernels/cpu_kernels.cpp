@@ -399,10 +399,11 @@ void for_each_region_piece(int64_t count, int64_t stride, int64_t unit_panels, c
 // (WorkPool::read_ahead), unless `set_helper_prefetch` changes it; 0: nothing. On the Xeon
 // without AMX, 32 KB and the pieces taken from the back above took the 0.5B's one-row int4
 // steps to 0.98x the time (64 and 128 KB: 0.99x), the 1.5B's int8 steps 0.98x, its int4
-// steps 0.99x; in one run the size alone, against 32 KB: none 1.000x, 64 KB 0.989x
+// steps 0.99x. The size alone, against 32 KB over 40 rounds: none 1.026x the 0.5B's step time,
+// 64 KB 0.998x, 128 KB 1.013x; on the 1.5B, over 24, none 0.994x (int4) and 1.003x (int8)
 // (benchmarks/pair_prefetch.py --knob helper compares sizes; benchmarks/stack_ab.py --patch
 // variants/pieces_from_the_front_and_no_helper_reads.patch undoes both; NOTES.md, "The Xeon
-// without AMX a sixth time").
+// without AMX a sixth time" and "a seventh time").
 std::atomic<int64_t> g_helper_prefetch{32 * 1024};
 inline int64_t helper_prefetch() { return g_helper_prefetch.load(std::memory_order_relaxed); }
 void set_helper_prefetch(int64_t bytes) { store_distance(g_helper_prefetch, bytes); }
