@@ -1163,6 +1163,7 @@ def test_every_saved_trial_still_applies_to_the_kernels(tmp_path, monkeypatch):
         source = stack_ab.patched(patch, tmp_path)
         assert source.read_text() != kernels._SOURCE.read_text(), patch.name
 
+
 def test_rounds_are_split_by_spell_and_a_run_at_one_level_is_not_called_fast(monkeypatch):
     """The benchmarks compare ways within the host's fast and slow spells (read bandwidth
     within 80% of the best steady round, or below). A run that never left one level has a
