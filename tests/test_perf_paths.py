@@ -1578,3 +1578,59 @@ def test_product_starts_builds_int4_products_that_the_kernels_multiply(monkeypat
         y = k.linear_int4_panels(inputs["o"], products["o"][0], None, None)
         assert (y - reference).abs().max() <= 0.02 * reference.abs().max()
         assert k.read_int8_panels(product_starts.as_int8_panels(products["down"][0])).shape == (1, shapes["down"][0])
+
+
+FAKE_SCRIPTS = {  # what each stand-in prints (its arguments first), and how it ends
+    "overhead.py": 'print("[    MET] 7 framework overhead: 0.1 ms per step (< 1 ms)")',
+    "decode_bandwidth.py": 'print("[NOT MET] 1 bandwidth, int4: 80%")\nprint("[    MET] 3 verification cost: r(5) = 1.2")\n'
+                           'sys.exit(1)',
+    "agreement.py": 'print("[    MET] 2 agreement, target int8: 99%")\nraise RuntimeError("broken")',
+    "speedup.py": 'print("speed-up 1.8x, no verdict")',
+    "vs_llama_cpp.py": 'print("[    n/a] 6 against llama.cpp: llama-cpp-python is not installed")',
+}
+
+
+def fake_scripts(folder: Path) -> Path:
+    for name, body in FAKE_SCRIPTS.items():
+        (folder / name).write_text(f"import sys\nprint('args:', sys.argv[1:])\n{body}\n")
+    return folder
+
+
+def test_the_targets_runner_gathers_every_verdict_and_fails_on_a_target_not_met_or_a_broken_script(tmp_path,
+                                                                                                    monkeypatch):
+    import importlib
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    targets = importlib.import_module("targets")
+    monkeypatch.setattr(targets, "cuda_available", lambda: False)
+    scripts, results = fake_scripts(tmp_path), tmp_path / "results"
+    assert targets.main(["--quick"], scripts=scripts, results=results) == 1
+    log = next(results.glob("targets_quick_run_*.log")).read_text()
+    ran, verdicts = log.split("\nevery verdict:\n")
+    assert ran.count("args: ['--quick']") == len(FAKE_SCRIPTS)
+    assert verdicts.splitlines() == [
+        "[    MET] 7 framework overhead: 0.1 ms per step (< 1 ms)",
+        "[NOT MET] 1 bandwidth, int4: 80%",  # its exit status 1 says so; not a failure of the script
+        "[    MET] 3 verification cost: r(5) = 1.2",
+        "[    MET] 2 agreement, target int8: 99%",
+        "[ FAILED] agreement.py exited with status 1",
+        "[ FAILED] speedup.py printed no verdict",
+        "[    n/a] 6 against llama.cpp: llama-cpp-python is not installed",
+        "[    n/a] 8 GPU: no CUDA device here (the tests run gpu_bench.py --tiny on the CPU)",
+    ]
+
+
+def test_the_targets_runner_runs_only_the_scripts_of_the_targets_asked_for(tmp_path, monkeypatch):
+    import importlib
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    targets = importlib.import_module("targets")
+    monkeypatch.setattr(targets, "cuda_available", lambda: False)
+    scripts, results = fake_scripts(tmp_path), tmp_path / "results"
+    assert targets.main(["--only", "7", "6"], scripts=scripts, results=results) == 0
+    log = next(results.glob("targets_run_*.log")).read_text()
+    assert log.count("args: []") == 2 and "bandwidth" not in log and "GPU" not in log
+    checks, skipped = targets.planned({8}, cuda=True)
+    assert [c.script for c in checks] == ["gpu_bench.py"] and skipped == []
+    gpu = targets.Outcome(checks[0], 0)  # figures, no verdict lines: a run, not a failure
+    assert targets.summary([gpu], []) == (["[    n/a] 8: gpu_bench.py ran; its figures are above"], True)
