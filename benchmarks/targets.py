@@ -68,8 +68,9 @@ def planned(only: set[int] | None, cuda: bool) -> tuple[list[Check], list[str]]:
 
 def run_check(check: Check, quick: bool, log: TextIO, scripts: Path = HERE) -> Outcome:
     """Runs one script with this Python, its output streamed to the terminal and `log`."""
-    command = [sys.executable, str(scripts / check.script)] + (["--quick"] if quick and check.quick else [])
-    header = f"$ {' '.join([Path(command[0]).name] + command[1:])}  ({time.strftime('%H:%M')})"
+    options = ["--quick"] if quick and check.quick else []
+    command = [sys.executable, str(scripts / check.script)] + options
+    header = f"$ python {' '.join([check.script] + options)}  ({time.strftime('%H:%M')})"
     print(header, flush=True)
     log.write(header + "\n")
     outcome = Outcome(check, 0)
