@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from perf_common import verdict
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -62,7 +64,7 @@ def planned(only: set[int] | None, cuda: bool) -> tuple[list[Check], list[str]]:
     skipped = []
     if not cuda and any(c.script == "gpu_bench.py" for c in chosen):
         chosen = [c for c in chosen if c.script != "gpu_bench.py"]
-        skipped.append("[    n/a] 8 GPU: no CUDA device here (the tests run gpu_bench.py --tiny on the CPU)")
+        skipped.append(verdict("8 GPU", "no CUDA device here (the tests run gpu_bench.py --tiny on the CPU)", None))
     return chosen, skipped
 
 
@@ -103,7 +105,7 @@ def summary(outcomes: list[Outcome], skipped: list[str]) -> tuple[list[str], boo
             ok = False
             lines.append(f"[ FAILED] {check.script} printed no verdict")
         elif not check.judges:
-            lines.append(f"[    n/a] {', '.join(map(str, check.targets))}: {check.script} ran; its figures are above")
+            lines.append(verdict(", ".join(map(str, check.targets)), f"{check.script} ran; its figures are above", None))
     return lines + skipped, ok
 
 

@@ -1596,13 +1596,19 @@ def fake_scripts(folder: Path) -> Path:
     return folder
 
 
-def test_the_targets_runner_gathers_every_verdict_and_fails_on_a_target_not_met_or_a_broken_script(tmp_path,
-                                                                                                    monkeypatch):
+def targets_without_cuda(monkeypatch):
+    """benchmarks/targets.py, on a machine it is told has no CUDA device."""
     import importlib
 
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     targets = importlib.import_module("targets")
     monkeypatch.setattr(targets, "cuda_available", lambda: False)
+    return targets
+
+
+def test_the_targets_runner_gathers_every_verdict_and_fails_on_a_target_not_met_or_a_broken_script(tmp_path,
+                                                                                                    monkeypatch):
+    targets = targets_without_cuda(monkeypatch)
     scripts, results = fake_scripts(tmp_path), tmp_path / "results"
     assert targets.main(["--quick"], scripts=scripts, results=results) == 1
     log = next(results.glob("targets_quick_run_*.log")).read_text()
@@ -1621,11 +1627,7 @@ def test_the_targets_runner_gathers_every_verdict_and_fails_on_a_target_not_met_
 
 
 def test_the_targets_runner_runs_only_the_scripts_of_the_targets_asked_for(tmp_path, monkeypatch):
-    import importlib
-
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    targets = importlib.import_module("targets")
-    monkeypatch.setattr(targets, "cuda_available", lambda: False)
+    targets = targets_without_cuda(monkeypatch)
     scripts, results = fake_scripts(tmp_path), tmp_path / "results"
     assert targets.main(["--only", "7", "6"], scripts=scripts, results=results) == 0
     log = next(results.glob("targets_run_*.log")).read_text()
