@@ -53,9 +53,8 @@ class LlamaCppEngine:
         self.worker.stdin.write(json.dumps(request) + "\n")
         self.worker.stdin.flush()
         line = self.worker.stdout.readline()
-        if not line:  # it died: llama.cpp's AMX products crash on some builds (see the top of this file)
-            raise SystemExit(f"llama.cpp's worker ended (exit status {self.worker.wait()}) on a {request['op']} "
-                             "request")
+        if not line:
+            raise SystemExit(worker_died(self.worker.wait(), request["op"]))
         return json.loads(line)
 
     def plain(self, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
@@ -65,6 +64,23 @@ class LlamaCppEngine:
     def speculative(self, prompt: list[int], max_tokens: int, gamma: int) -> tuple[list[int], float, float]:
         answer = self._ask(op="speculative", ids=prompt, tokens=max_tokens, gamma=gamma)
         return answer["out"], answer["seconds"], answer["acceptance"]
+
+
+def has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    try:
+        return "amx_tile" in cpuinfo.read_text()
+    except OSError:
+        return False
+
+
+def worker_died(status: int, op: str, amx: bool | None = None) -> str:
+    """What to say when llama.cpp's worker ends mid-request. A crash on a processor with AMX is
+    most likely llama.cpp's AMX products (see the top of this file), so say how to build without them."""
+    message = f"llama.cpp's worker ended (exit status {status}) on a {op} request"
+    if status < 0 and (has_amx() if amx is None else amx):
+        message += ("; this processor has AMX, and llama.cpp 0.3.36 built for it crashes in its AMX products: "
+                    "rebuild llama-cpp-python without them, as the top of benchmarks/vs_llama_cpp.py shows")
+    return message
 
 
 def rate(tokens: list[int], seconds: float) -> float:

@@ -1636,3 +1636,20 @@ def test_the_targets_runner_runs_only_the_scripts_of_the_targets_asked_for(tmp_p
     assert [c.script for c in checks] == ["gpu_bench.py"] and skipped == []
     gpu = targets.Outcome(checks[0], 0)  # figures, no verdict lines: a run, not a failure
     assert targets.summary([gpu], []) == (["[    n/a] 8: gpu_bench.py ran; its figures are above"], True)
+
+
+def test_a_crashed_llama_cpp_worker_on_a_processor_with_amx_says_how_to_build_it_without(tmp_path, monkeypatch):
+    import importlib
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    vs_llama_cpp = importlib.import_module("vs_llama_cpp")
+    crashed = vs_llama_cpp.worker_died(-11, "plain", amx=True)
+    assert crashed.startswith("llama.cpp's worker ended (exit status -11) on a plain request; this processor has AMX")
+    assert "rebuild llama-cpp-python without them" in crashed
+    assert "AMX" not in vs_llama_cpp.worker_died(-11, "plain", amx=False)
+    assert "AMX" not in vs_llama_cpp.worker_died(1, "speculative", amx=True)  # it exited; it did not crash
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags\t\t: fpu avx512f amx_bf16 amx_tile amx_int8\n")
+    assert vs_llama_cpp.has_amx(cpuinfo)
+    cpuinfo.write_text("flags\t\t: fpu avx512f avx512_vnni\n")
+    assert not vs_llama_cpp.has_amx(cpuinfo) and not vs_llama_cpp.has_amx(tmp_path / "missing")
