@@ -1,6 +1,7 @@
 """Every performance target on this machine: the scripts that check them, one after another,
 and their verdicts together at the end.
 
+    make bench                                 # first: llama-cpp-python for target 6
     python benchmarks/targets.py               # targets 1-7 (and 8 where CUDA is present); about an hour on 2 cores
     python benchmarks/targets.py --only 1 3 7  # the scripts that check these targets
     python benchmarks/targets.py --quick       # each script's --quick: a rehearsal, not figures to quote

@@ -1,6 +1,6 @@
 """Target 6: verispec against llama.cpp on the same GGUF files, prompts, threads and token budget.
 
-    pip install -e '.[bench]'                  # llama-cpp-python, built from source
+    make bench                                 # llama-cpp-python, built from source
     python benchmarks/vs_llama_cpp.py          # 2 code + 2 prose prompts, 128 tokens, γ = 4 and 8
     python benchmarks/vs_llama_cpp.py --quick  # 1 + 1 prompts, 32 tokens, γ = 4
 
@@ -15,7 +15,8 @@ tokens/s after the first token, so prefill is excluded on both sides; each outpu
 compared with the same engine's plain output.
 
 On a processor with AMX, llama.cpp 0.3.36 built for it (its default, -march=native) crashes in
-its AMX matrix products on the first evaluation (llama.cpp issue 20824); build it without them:
+its AMX matrix products on the first evaluation (llama.cpp issue 20824). `make bench` builds it
+without them on such a processor, as:
 
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
       -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_BMI2=ON" \
@@ -79,7 +80,7 @@ def worker_died(status: int, op: str, amx: bool | None = None) -> str:
     message = f"llama.cpp's worker ended (exit status {status}) on a {op} request"
     if status < 0 and (has_amx() if amx is None else amx):
         message += ("; this processor has AMX, and llama.cpp 0.3.36 built for it crashes in its AMX products: "
-                    "rebuild llama-cpp-python without them, as the top of benchmarks/vs_llama_cpp.py shows")
+                    "rebuild it without them (pip uninstall -y llama-cpp-python; make bench)")
     return message
 
 
@@ -102,7 +103,7 @@ def main() -> int:
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
-        print(verdict("6 against llama.cpp", "llama-cpp-python is not installed (pip install -e '.[bench]')", None))
+        print(verdict("6 against llama.cpp", "llama-cpp-python is not installed (make bench)", None))
         return 0
 
     from verispec.generate import encode_prompt, generate
