@@ -21,7 +21,7 @@ from pathlib import Path
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
 
-from perf_common import machine_load, median, processor, save, warn_if_busy
+from perf_common import has_amx, machine_load, median, processor, save, warn_if_busy
 from stack_ab import build_variant, patched
 
 PATCH = Path(__file__).resolve().parent / "variants" / "amx_int4_tiles.patch"
@@ -40,7 +40,7 @@ def per_group(kernels, x, panels, n: int, k: int, repeats: int) -> float:
 
 
 def main() -> int:
-    if "amx_tile" not in Path("/proc/cpuinfo").read_text():
+    if not has_amx():
         print("this processor has no AMX tiles")
         return 1
     with tempfile.TemporaryDirectory() as scratch:

@@ -13,19 +13,26 @@ import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
 
 HERE = Path(__file__).resolve().parent
+CPUINFO = Path("/proc/cpuinfo")
 
 
-def processor() -> dict:
-    """What /proc/cpuinfo says of this processor: vendor, family, model and its name."""
+def processor(cpuinfo: Path = CPUINFO) -> dict:
+    """What /proc/cpuinfo says of this processor: vendor, family, model, its name and its flags."""
     fields = {}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in cpuinfo.read_text().splitlines():
             key, _, value = line.partition(":")
             fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
     return {"vendor": fields.get("vendor_id", "unknown"), "family": fields.get("cpu family", "?"),
-            "model": fields.get("model", "?"), "name": fields.get("model name", "unknown")}
+            "model": fields.get("model", "?"), "name": fields.get("model name", "unknown"),
+            "flags": set(fields.get("flags", "").split())}
+
+
+def has_amx(cpuinfo: Path = CPUINFO) -> bool:
+    """Whether the processor has AMX tiles (which Linux may still not grant a process)."""
+    return "amx_tile" in processor(cpuinfo)["flags"]
 
 
 def host_tag() -> str:

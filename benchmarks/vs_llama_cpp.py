@@ -16,11 +16,8 @@ compared with the same engine's plain output.
 
 On a processor with AMX, llama.cpp 0.3.36 built for it (its default, -march=native) crashes in
 its AMX matrix products on the first evaluation (llama.cpp issue 20824). `make bench` builds it
-without them on such a processor, as:
-
-    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
-      -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_BMI2=ON" \
-      pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python==0.3.36
+without them on such a processor (the Makefile's LLAMA_WITHOUT_AMX); where it was built with
+them, `pip uninstall -y llama-cpp-python` first.
 """
 
 from __future__ import annotations
@@ -35,7 +32,7 @@ from pathlib import Path
 import verispec  # noqa: F401  (before torch: it sets how torch's threads wait)
 import torch
 
-from perf_common import machine_load, save, verdict, warn_if_busy
+from perf_common import has_amx, machine_load, save, verdict, warn_if_busy
 
 
 class LlamaCppEngine:
@@ -65,13 +62,6 @@ class LlamaCppEngine:
     def speculative(self, prompt: list[int], max_tokens: int, gamma: int) -> tuple[list[int], float, float]:
         answer = self._ask(op="speculative", ids=prompt, tokens=max_tokens, gamma=gamma)
         return answer["out"], answer["seconds"], answer["acceptance"]
-
-
-def has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    try:
-        return "amx_tile" in cpuinfo.read_text()
-    except OSError:
-        return False
 
 
 def worker_died(status: int, op: str, amx: bool | None = None) -> str:
