@@ -50,7 +50,7 @@ def lookup_agreement(prompt_ids: list[int], answer: list[int]) -> tuple[float, f
     from verispec.generate import LOOKUP_NGRAM
     from verispec.spec.prompt_lookup import PromptLookupProposer
 
-    lookup = PromptLookupProposer(*LOOKUP_NGRAM)
+    lookup = PromptLookupProposer(*LOOKUP_NGRAM, bounded_by_match=False)
     found = right = 0
     for i, token in enumerate(answer):
         guess = lookup.lookup(prompt_ids + answer[:i], 1)

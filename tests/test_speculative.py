@@ -88,7 +88,7 @@ def test_adaptive_gamma_changes_nothing(target, unrelated, baseline, policy, dra
 
 
 def test_prompt_lookup_finds_the_latest_match():
-    lookup = PromptLookupProposer(max_ngram=2)
+    lookup = PromptLookupProposer(max_ngram=2, bounded_by_match=False)
     assert lookup.lookup([1, 2, 3, 9, 1, 2, 4, 5, 1, 2], 3) == [4, 5, 1]
     assert lookup.lookup([7, 8, 9], 3) == []
 
@@ -564,35 +564,48 @@ def test_the_first_draft_after_catching_up_comes_from_the_catch_up_pass(target):
     assert calls == [1, 1, 1]  # the last token read again
 
 
-def _scan_lookup(context: list[int], gamma: int, max_ngram: int, min_ngram: int) -> list[int]:
-    """Prompt lookup by scanning the context back, as the definition reads."""
+def _scan_lookup(context: list[int], gamma: int, max_ngram: int, min_ngram: int, bounded: bool = False) -> list[int]:
+    """Prompt lookup by scanning the context back, as the definition reads; `bounded`: no more
+    tokens than the occurrence and the context's end have in common going back."""
     size = len(context)
     for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
         suffix = context[size - n:]
         for start in range(size - n - 1, -1, -1):
             if context[start:start + n] == suffix and context[start + n:start + n + gamma]:
-                return context[start + n:start + n + gamma]
+                common = max(k for k in range(start + n + 1) if context[start + n - k:start + n] == context[size - k:])
+                return context[start + n:start + n + (min(gamma, common) if bounded else gamma)]
     return []
 
 
-@pytest.mark.parametrize("max_ngram,min_ngram", [(3, 1), (4, 2), (1, 1)])
-def test_prompt_lookups_index_gives_what_scanning_the_context_gives(max_ngram, min_ngram):
+@pytest.mark.parametrize("max_ngram,min_ngram,bounded", [(3, 1, False), (4, 2, False), (1, 1, False), (3, 1, True),
+                                                         (2, 2, True)])
+def test_prompt_lookups_index_gives_what_scanning_the_context_gives(max_ngram, min_ngram, bounded):
     import random
 
     rng = random.Random(max_ngram * 10 + min_ngram)
-    lookup = PromptLookupProposer(max_ngram=max_ngram, min_ngram=min_ngram)
+    lookup = PromptLookupProposer(max_ngram=max_ngram, min_ngram=min_ngram, bounded_by_match=bounded)
     for _ in range(20):  # requests of their own, each a text that grows round by round
         context = [rng.randrange(6) for _ in range(rng.randrange(1, 30))]
         lookup.start(context, 1000)
         for _ in range(rng.randrange(1, 15)):
             gamma = rng.randrange(1, 6)
-            assert lookup.lookup(context, gamma) == _scan_lookup(context, gamma, max_ngram, min_ngram), context
+            assert lookup.lookup(context, gamma) == _scan_lookup(context, gamma, max_ngram, min_ngram, bounded), context
             context = context + [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+
+
+def test_prompt_lookup_bounded_by_its_match_drafts_as_far_as_the_match_runs_back():
+    lookup = PromptLookupProposer(3, 1, bounded_by_match=True)
+    assert lookup.lookup([5, 7, 8, 9, 1, 2, 5], 8) == [7]  # one token matched: one drafted
+    assert lookup.lookup([5, 7, 8, 9, 1, 2, 5, 7], 8) == [8, 9]  # [5, 7]: two
+    copy = [5, 7, 8, 9, 1, 2, 3, 4, 6, 0, 5, 7, 8, 9, 1, 2]
+    assert lookup.lookup(copy, 3) == [3, 4, 6]  # six tokens matched: all of γ = 3
+    assert lookup.lookup(copy, 8) == [3, 4, 6, 0, 5, 7]  # of 8, six
+    assert PromptLookupProposer(3, 1, bounded_by_match=False).lookup([5, 7, 8, 9, 1, 2, 5], 8) == [7, 8, 9, 1, 2, 5]
 
 
 
 def test_prompt_lookup_forgets_a_text_that_another_does_not_continue():
-    lookup = PromptLookupProposer()
+    lookup = PromptLookupProposer(bounded_by_match=False)
     assert lookup.lookup([1, 2, 3, 1, 2], 2) == [3, 1]
     assert lookup.lookup([5, 6, 5], 2) == [6, 5] == _scan_lookup([5, 6, 5], 2, 3, 1)  # shorter: another text
     assert lookup.lookup([9, 6, 5, 9], 2) == [6, 5]  # its first token differs: another text

@@ -262,7 +262,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     decode_started = time.perf_counter()
     lazy = bool(adaptive) and hasattr(proposer, "catch_up")
     weighs_lookup = lookup and lazy and hasattr(policy, "lookup_gamma")
-    lookup_proposer = PromptLookupProposer(*LOOKUP_NGRAM) if weighs_lookup else None
+    lookup_proposer = PromptLookupProposer(*LOOKUP_NGRAM, bounded_by_match=False) if weighs_lookup else None
     if proposer is not None and finish is None:
         t0 = time.perf_counter()
         proposer.start(prompt_ids, max_len, **({"prefill": False} if lazy else {}))

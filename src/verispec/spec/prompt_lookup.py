@@ -4,6 +4,15 @@ No draft model: the proposal is the continuation of the most recent earlier
 occurrence of the context's last n tokens, trying the longest n first. Code
 edits, summaries and retrieval answers repeat their input, so this is free
 drafting that often hits.
+
+A continuation runs no further ahead than its occurrence matches the context
+going back: a match of one token drafts one token, a copy that has gone on for
+twenty drafts all γ. A short match is weak evidence, and every drafted token
+lengthens the target's pass; drafting the whole continuation whatever the match
+made lookup at γ = 8 slower than plain decoding in most Spec-Bench categories
+wherever a long pass costs more than a step (benchmarks/lookup_drafts.py).
+`--adaptive` asks for the whole continuation: its policy weighs how much of it
+to send from the acceptance it measures.
 """
 
 from __future__ import annotations
@@ -23,11 +32,12 @@ class PromptLookupProposer:
 
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, bounded_by_match: bool = True):
         if not 1 <= min_ngram <= max_ngram:
             raise VerispecError(f"n-gram sizes must satisfy 1 <= min <= max, got {min_ngram}..{max_ngram}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.bounded_by_match = bounded_by_match
         self._forget()
 
     def _forget(self) -> None:
@@ -45,12 +55,15 @@ class PromptLookupProposer:
 
     def lookup(self, context: list[int], gamma: int) -> list[int]:
         """The continuation of the most recent earlier occurrence of the context's last n
-        tokens, for the largest n that has one; [] if none does."""
+        tokens, for the largest n that has one; [] if none does. With `bounded_by_match`, it
+        runs no further ahead than the occurrence matches the context going back."""
         self._extend(context)
         size = len(context)
         for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
             end = self.ends[n].get(tuple(context[size - n:]))
             if end is not None:
+                if self.bounded_by_match:
+                    gamma = min(gamma, matched_length(context, end, n, gamma))
                 return context[end:end + gamma]
         return []
 
@@ -72,3 +85,12 @@ class PromptLookupProposer:
 
     def commit(self, length: int) -> None:
         pass
+
+
+def matched_length(context: list[int], end: int, n: int, limit: int) -> int:
+    """How many tokens before `end` equal the context's last ones (at least `n`, which the
+    lookup matched; counted up to `limit`)."""
+    length, size = n, len(context)
+    while length < limit and length < end and context[end - 1 - length] == context[size - 1 - length]:
+        length += 1
+    return length
