@@ -1340,6 +1340,27 @@ def test_policy_replay_reuses_an_earlier_records_answers_only_for_the_same_setti
             policy_replay.known_answers(saved, other, tokens)
 
 
+def test_lookup_drafts_replays_prompt_lookup_round_by_round_and_charges_each_pass(monkeypatch):
+    """benchmarks/lookup_drafts.py: a round's kept drafts are those the recorded answer has, and
+    it costs a pass over the drafts and one more position; bounded by its match, a one-token
+    match drafts one token."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    lookup_drafts = importlib.import_module("lookup_drafts")
+    cost = {m: float(m) for m in range(1, 18)}  # t(m) = m
+    prompt, answer = [1, 2, 3, 4, 5, 6], [9, 1, 7, 8, 7, 8]
+    # after 9: no match (1); after 1: [2, 3, 4] (whole: room 3) or [2] (bounded), none kept; then no match,
+    # no match, and no room (1 + 1 + 1)
+    assert lookup_drafts.replay(prompt, answer, 4, cost, (3, 1), bounded=False) == 1 + 4 + 3
+    assert lookup_drafts.replay(prompt, answer, 4, cost, (3, 1), bounded=True) == 1 + 2 + 3
+    copy = [5, 6, 7, 8, 9, 10, 11, 12]
+    # whole: [6, 7, 8, 9] all kept (5), then [11] kept (2); bounded: [6] (2), then [8, 9, 10] for a 3-token match (4),
+    # then no room (1)
+    assert lookup_drafts.replay(copy, copy, 4, cost, (3, 1), bounded=False) == 5 + 2
+    assert lookup_drafts.replay(copy, copy, 4, cost, (3, 1), bounded=True) == 2 + 4 + 1
+
+
 def test_speedup_repeats_each_adaptive_run_between_two_plain_runs(folder, monkeypatch):
     """benchmarks/speedup.py --adaptive-repeats N: plain, then N times --adaptive and plain,
     every --adaptive run timed against the plain runs on either side of it."""
