@@ -37,8 +37,12 @@ most the last SHORT_WINDOW positions when it catches up, not READY_LAG), `first-
 last token, and the first draft step reads that one on its own), `confident-probe` (the
 first speculative round waits for a plain step whose token the target gave at least
 CONFIDENT probability), `quick-reprobe` (once speculation is given up, the first probe
-comes after QUICK_REPROBE plain steps, not 64, doubling from there) and `early-cap` (an
-answer's first EARLY_ROUNDS speculative rounds draft at most EARLY_CAP tokens).
+comes after QUICK_REPROBE plain steps, not 64, doubling from there), `early-cap` (an
+answer's first EARLY_ROUNDS speculative rounds draft at most EARLY_CAP tokens). Trials of
+prompt lookup in the draft model's place (the engine's LOOKUP_NGRAM: the last 5 tokens,
+then 4, 3 and 2): `ngram-3`, `ngram-4` and `ngram-8` (the last 3, 4 or 8 first; `ngram-3` the
+engine before), `ngram-3-only` (the last 3 tokens only) and `lookup-by-match` (no more of a
+continuation offered than its occurrence matches the context going back).
 benchmarks/policy_replay.py replays the same variants on a virtual clock, without the
 machine's noise.
 """
@@ -169,7 +173,8 @@ PROPOSERS = {"first-look": FirstLookProposer, "first-draft-apart": FirstDraftApa
              "probe-budget": TimedReadingProposer, "plain-budget": TimedReadingProposer}
 VARIANTS = ["current", "draft-only", "draft-first", "late-probe", "plain-bound", "first-look", "light-prior",
             "short-window", "first-draft-apart", "confident-probe", "quick-reprobe", "heavy-prior",
-            "fast-fall", "early-cap", "probe-budget", "plain-budget", "ngram-apart"]
+            "fast-fall", "early-cap", "probe-budget", "plain-budget", "ngram-apart", "ngram-3", "ngram-4",
+            "ngram-8", "ngram-3-only", "lookup-by-match"]
 
 DRAFT_FIRST = 4
 
@@ -417,11 +422,25 @@ POLICIES = {
 }
 
 
+# the trials of prompt lookup under --adaptive: what they set in place of generate()'s choice
+# (n-gram sizes generate.LOOKUP_NGRAM, (5, 2); the whole continuation, however short the match)
+LOOKUP_TRIALS = {"ngram-3": {"max_ngram": 3, "min_ngram": 2}, "ngram-4": {"max_ngram": 4, "min_ngram": 2},
+                 "ngram-8": {"max_ngram": 8, "min_ngram": 2}, "ngram-3-only": {"max_ngram": 3, "min_ngram": 3},
+                 "lookup-by-match": {"bounded_by_match": True}}
+
+
+def trial_lookup(trial: dict):
+    """Prompt lookup as generate() makes it, with a trial's settings in place of its own."""
+    def make(max_ngram: int, min_ngram: int, **settings) -> PromptLookupProposer:
+        return PromptLookupProposer(**{"max_ngram": max_ngram, "min_ngram": min_ngram, **settings, **trial})
+    return make
+
+
 @contextmanager
 def policy(variant: str):
     """generate() as it is, or with a trial's policy (POLICIES; `confident-probe` also records
-    the target's confidence, `ngram-apart` looks up through SizedLookup), or the `short-window`
-    trial's window."""
+    the target's confidence, `ngram-apart` looks up through SizedLookup, the trials
+    of LOOKUP_TRIALS with their settings), or the `short-window` trial's window."""
     import verispec.generate as generation
 
     saved = generation.make_policy, generation.READY_LAG, generation.verify_greedy, generation.PromptLookupProposer
@@ -434,6 +453,8 @@ def policy(variant: str):
         Confidence.last = 1.0
     if variant == "ngram-apart":
         generation.PromptLookupProposer = SizedLookup
+    if variant in LOOKUP_TRIALS:
+        generation.PromptLookupProposer = trial_lookup(LOOKUP_TRIALS[variant])
     if variant == "short-window":
         generation.READY_LAG = SHORT_WINDOW
     try:

@@ -1228,7 +1228,8 @@ def test_adaptive_split_accounts_for_every_pass_and_its_trials_keep_the_output(f
     assert set(records) == {"current", "draft-only", "draft-first", "late-probe", "plain-bound", "first-look",
                             "light-prior", "short-window", "first-draft-apart", "confident-probe",
                             "quick-reprobe", "heavy-prior", "fast-fall", "early-cap", "probe-budget", "plain-budget",
-                            "ngram-apart"}
+                            "ngram-apart", "ngram-3", "ngram-4", "ngram-8",
+                            "ngram-3-only", "lookup-by-match"}
     assert records["draft-only"]["lookup_drafted"] == 0
     for name, r in records.items():
         assert r["valid"], name
@@ -1242,6 +1243,12 @@ def test_adaptive_split_accounts_for_every_pass_and_its_trials_keep_the_output(f
     assert verispec.generate.READY_LAG == READY_LAG  # the trial's window does not outlive it
     assert verispec.generate.verify_greedy is verify_greedy  # nor the confidence's recording
     assert verispec.generate.PromptLookupProposer is PromptLookupProposer  # nor ngram-apart's lookup
+    trials = {"ngram-3": (3, 2, False), "ngram-4": (4, 2, False), "ngram-8": (8, 2, False),
+              "ngram-3-only": (3, 3, False), "lookup-by-match": (*verispec.generate.LOOKUP_NGRAM, True)}
+    for name, settings in trials.items():
+        with adaptive_split.policy(name):
+            lookup = verispec.generate.PromptLookupProposer(*verispec.generate.LOOKUP_NGRAM, bounded_by_match=False)
+        assert (lookup.max_ngram, lookup.min_ngram, lookup.bounded_by_match) == settings, name
 
     # plain steps within NEAR steps after a speculative round are `near`, the rest `far`
     passes = [(1, 1.0), (3, 9.0), (1, 2.0), (1, 2.0), (1, 2.0), (1, 4.0), (5, 9.0), (1, 6.0)]
