@@ -9,8 +9,8 @@ A continuation runs no further ahead than its occurrence matches the context
 going back: a match of one token drafts one token, a copy that has gone on for
 twenty drafts all γ. A short match is weak evidence, and every drafted token
 lengthens the target's pass; drafting the whole continuation whatever the match
-made lookup at γ = 8 slower than plain decoding in most Spec-Bench categories
-wherever a long pass costs more than a step (benchmarks/lookup_drafts.py).
+made lookup at γ = 8 slower than plain decoding in most Spec-Bench categories on
+processors where a long pass costs most (benchmarks/lookup_drafts.py).
 `--adaptive` asks for the whole continuation: its policy weighs how much of it
 to send from the acceptance it measures.
 """
@@ -88,8 +88,8 @@ class PromptLookupProposer:
 
 
 def matched_length(context: list[int], end: int, n: int, limit: int) -> int:
-    """How many tokens before `end` equal the context's last ones (at least `n`, which the
-    lookup matched; counted up to `limit`)."""
+    """How many tokens ending at `end` equal the context's last ones: at least `n`, which
+    the lookup matched, counted on up to `limit`."""
     length, size = n, len(context)
     while length < limit and length < end and context[end - 1 - length] == context[size - 1 - length]:
         length += 1
