@@ -47,10 +47,9 @@ def agreement(draft, prompt_ids: list[int], answer: list[int], window: int, sink
 def lookup_agreement(prompt_ids: list[int], answer: list[int]) -> tuple[float, float]:
     """(share of answer positions where prompt lookup has a continuation, share of those
     where its first token is the target's)."""
-    from verispec.generate import LOOKUP_NGRAM
-    from verispec.spec.prompt_lookup import PromptLookupProposer
+    from verispec.generate import policy_lookup
 
-    lookup = PromptLookupProposer(*LOOKUP_NGRAM, bounded_by_match=False)
+    lookup = policy_lookup()
     found = right = 0
     for i, token in enumerate(answer):
         guess = lookup.lookup(prompt_ids + answer[:i], 1)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 
+from agreement import common_prefix
 from perf_common import RESULTS, save, verdict
 from verispec.spec.prompt_lookup import PromptLookupProposer
 
@@ -51,9 +52,7 @@ def replay(prompt_ids: list[int], answer: list[int], gamma: int, cost: dict[int,
     while done < len(answer):
         room = min(gamma, len(answer) - done - 1)
         drafts = lookup.lookup(context, room) if room > 0 else []
-        kept = 0
-        while kept < len(drafts) and drafts[kept] == answer[done + kept]:
-            kept += 1
+        kept = common_prefix(drafts, answer[done:])
         seconds += cost[len(drafts) + 1]
         context += answer[done:done + kept + 1]
         done += kept + 1

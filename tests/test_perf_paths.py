@@ -1247,7 +1247,7 @@ def test_adaptive_split_accounts_for_every_pass_and_its_trials_keep_the_output(f
               "ngram-3-only": (3, 3, False), "lookup-by-match": (*verispec.generate.LOOKUP_NGRAM, True)}
     for name, settings in trials.items():
         with adaptive_split.policy(name):
-            lookup = verispec.generate.PromptLookupProposer(*verispec.generate.LOOKUP_NGRAM, bounded_by_match=False)
+            lookup = verispec.generate.policy_lookup()
         assert (lookup.max_ngram, lookup.min_ngram, lookup.bounded_by_match) == settings, name
 
     # plain steps within NEAR steps after a speculative round are `near`, the rest `far`

@@ -41,6 +41,12 @@ READY_LAG = 32
 LOOKUP_NGRAM = (5, 2)
 
 
+def policy_lookup() -> PromptLookupProposer:
+    """Prompt lookup as --adaptive's policy is offered it: LOOKUP_NGRAM's sizes, and the whole
+    continuation (the policy weighs how much of it to send)."""
+    return PromptLookupProposer(*LOOKUP_NGRAM, bounded_by_match=False)
+
+
 class TextAssembler:
     """Turns tokens into printable text pieces, and finds stop strings across token borders.
 
@@ -265,7 +271,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     decode_started = time.perf_counter()
     lazy = bool(adaptive) and hasattr(proposer, "catch_up")
     weighs_lookup = lookup and lazy and hasattr(policy, "lookup_gamma")
-    lookup_proposer = PromptLookupProposer(*LOOKUP_NGRAM, bounded_by_match=False) if weighs_lookup else None
+    lookup_proposer = policy_lookup() if weighs_lookup else None
     if proposer is not None and finish is None:
         t0 = time.perf_counter()
         proposer.start(prompt_ids, max_len, **({"prefill": False} if lazy else {}))
