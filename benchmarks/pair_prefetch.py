@@ -6,6 +6,7 @@
     python benchmarks/pair_prefetch.py --formats int4 --positions 9 --distances 2048 4096 20480
     python benchmarks/pair_prefetch.py --formats int4 int8 --distances 1536 4096 --save-as pair_prefetch_far
     python benchmarks/pair_prefetch.py --knob pair-l2 --distances 0 2048 3072 4096 --save-as pair_prefetch_l2
+    python benchmarks/pair_prefetch.py --knob pass-pair-l2 --formats int8 int4 --positions 5 --distances 0 3072
     python benchmarks/pair_prefetch.py --knob helper --distances 0 16384 32768 65536 --save-as pair_prefetch_helper
 
 A plain decoding step reads each thread's region of a product's panels as two streams side
@@ -17,7 +18,8 @@ read pairs use the one-row distance (`pair`), passes of `pass_pair_rows` rows or
 bfloat16 3) that read pairs `pass-pair`, and passes with more rows than the format reads as
 pairs one stream per thread (`pass-stream`); one-row products read one stream per thread
 (`stream`) only under `set_panel_streams(1)`. Where pairs are fetched in software, they are
-also fetched into L2 further ahead (`pair-l2`; 0 or no further than the first: not at all).
+also fetched into L2 further ahead (`pair-l2`; 0 or no further than the first: not at all),
+integer passes of `pass_pair_rows` rows or more by a knob of their own (`pass-pair-l2`).
 While the calling thread does a layer's serial work (a norm, SwiGLU), the helper threads
 read the start of their regions of the product that follows, this many bytes of each stream
 (`helper`; 0: nothing). --knob picks one; by default it is the one the kernels use for M
@@ -46,7 +48,7 @@ from perf_common import free, machine_load, median, panel_kernels, processor, sa
 from stream_layout import spell_groups, spells, time_ratio
 
 PROMPT = "def merge(a, b):\n    return sorted(a + b)\n"
-KNOBS = ("pair", "pass-pair", "pass-stream", "stream", "pair-l2", "helper")
+KNOBS = ("pair", "pass-pair", "pass-stream", "stream", "pair-l2", "pass-pair-l2", "helper")
 
 
 def knob_at(kernels, fmt: str, positions: int) -> str:

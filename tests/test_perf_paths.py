@@ -624,20 +624,23 @@ def test_passes_read_as_pairs_of_panels_give_the_rows_of_single_steps():
     x, residual = _rows(256, seed=23, count=17), torch.randn(17, n, generator=torch.Generator().manual_seed(24))
     singles = [torch.cat([product(x[i:i + 1], residual[i:i + 1]) for i in range(17)]) for product in products]
     defaults = {kind: k.pair_rows(kind) for kind in ("integer", "float")}
-    default_ahead, default_l2 = k.pass_pair_prefetch(), k.pair_l2_prefetch()
+    default_ahead, default_l2, default_pass_l2 = k.pass_pair_prefetch(), k.pair_l2_prefetch(), k.pass_pair_l2_prefetch()
     try:
         # passes of 5 rows or more fetch their pairs pass_pair_prefetch() ahead (the last far past the end),
-        # and pairs of every size pair_l2_prefetch() ahead into L2
-        for setting, ahead, l2 in ((1, 0, 0), (2, 0, 0), (5, 1024, 3072), (8, 0, 3072), (8, 1024, 0),
-                                   (16, 1536, 3072), (100, 1 << 20, 1 << 21)):
+        # and pairs pair_l2_prefetch() ahead into L2, integer passes of 5 rows or more in one tile pass_pair_l2_prefetch()
+        for setting, ahead, l2, pass_l2 in ((1, 0, 0, 0), (2, 0, 0, 3072), (5, 1024, 3072, 0), (8, 0, 3072, 3072),
+                                            (8, 1024, 0, 4096), (16, 1536, 3072, 0), (100, 1 << 20, 1 << 21, 1 << 21)):
             k.set_pair_rows(setting)
             k.set_pass_pair_prefetch(ahead)
             k.set_pair_l2_prefetch(l2)
+            k.set_pass_pair_l2_prefetch(pass_l2)
             for product, single in zip(products, singles):
                 for m in range(2, 18):
                     assert torch.equal(product(x[:m], residual[:m].contiguous()), single[:m])
         with pytest.raises(RuntimeError, match="multiple of 64"):
             k.set_pass_pair_prefetch(100)
+        with pytest.raises(RuntimeError, match="multiple of 64"):
+            k.set_pass_pair_l2_prefetch(100)
         k.set_pair_rows(3, "integer")
         assert (k.pair_rows("integer"), k.pair_rows("float")) == (3, 100)
         with pytest.raises(RuntimeError, match="at least 1"):
@@ -649,8 +652,11 @@ def test_passes_read_as_pairs_of_panels_give_the_rows_of_single_steps():
             k.set_pair_rows(rows, kind)
         k.set_pass_pair_prefetch(default_ahead)
         k.set_pair_l2_prefetch(default_l2)
+        k.set_pass_pair_l2_prefetch(default_pass_l2)
     assert defaults in ({"integer": 1, "float": 1}, {"integer": 8, "float": 3}, {"integer": 16, "float": 16})
     assert default_ahead == (k.pair_prefetch() or 1024)  # Intel: as one-row products; elsewhere 1 KB
+    # with AMX (the Xeon whose passes read faster without it) none; elsewhere as far as one-row products
+    assert default_pass_l2 == (0 if "amx_tile" in Path("/proc/cpuinfo").read_text().split() else default_l2)
     # 16-bit float lines hold twice a float32 line's inputs: their passes fetch as passes from 3 rows
     assert [k.pass_pair_rows(w) for w in ("int4", "int8", "float32", "bfloat16", "float16")] == [5, 5, 5, 3, 3]
     with pytest.raises(RuntimeError, match="weights must be"):

@@ -280,6 +280,24 @@ int64_t default_pass_pair_prefetch() {
 std::atomic<int64_t> g_pass_pair_prefetch{default_pass_pair_prefetch()};
 inline int64_t pass_pair_prefetch() { return g_pass_pair_prefetch.load(std::memory_order_relaxed); }
 void set_pass_pair_prefetch(int64_t bytes) { store_distance(g_pass_pair_prefetch, bytes); }
+// How far ahead integer passes of kPassPairRows rows or more that read pairs in one tile (5 to
+// kPairRows rows) also fetch each stream into L2, unless `set_pass_pair_l2_prefetch` changes
+// it: on Intel processors with AMX 0 (not at all), elsewhere as far as one-row products
+// (pair_l2_prefetch()). On the Xeon with AMX, int8 passes over 5 positions took 0.963x the
+// time without it (three runs: 0.963-0.966x), int4's 0.984-0.989x, while passes over 3
+// positions took 1.017x (int8) and 1.003x (int4), so those keep it; on the Xeon without AMX
+// passes over 5 positions took 1.01x (int8) and 1.02x (int4) without it (benchmarks/stack_ab.py
+// --patch variants/l2_fetch_only_in_one_row_products.patch; NOTES.md, "The Xeon with AMX a
+// fourteenth time"). What differs between the two is not known; AMX is only what tells them
+// apart, where a virtual machine's model number does not.
+int64_t default_pass_pair_l2_prefetch() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("amx-tile") ? 0 : default_pair_l2_prefetch();
+}
+std::atomic<int64_t> g_pass_pair_l2_prefetch{default_pass_pair_l2_prefetch()};
+inline int64_t pass_pair_l2_prefetch() { return g_pass_pair_l2_prefetch.load(std::memory_order_relaxed); }
+void set_pass_pair_l2_prefetch(int64_t bytes) { store_distance(g_pass_pair_l2_prefetch, bytes); }
+
 // how far ahead a product of `rows` rows that reads pairs fetches each stream, where passes
 // of `pass_rows` rows or more fetch as passes
 inline int64_t pair_prefetch_for(int64_t rows, int64_t pass_rows) {
@@ -613,9 +631,9 @@ void for_each_integer_tile(const uint8_t* panels, int64_t n, int64_t k, int64_t 
         });
       });
     } else if (rows <= MaxPairRows) {  // two streams (fetched pair_prefetch_for bytes ahead)
-      with_rows<MaxPairRows>(rows, [&](auto r) {
-        tile(r, std::integral_constant<int, 2>{}, std::false_type{}, part(row0, nullptr, ahead));
-      });
+      IntegerTile it = part(row0, nullptr, ahead);
+      if (rows >= kPassPairRows) it.far = pass_pair_l2_prefetch();
+      with_rows<MaxPairRows>(rows, [&](auto r) { tile(r, std::integral_constant<int, 2>{}, std::false_type{}, it); });
     } else {
       alignas(64) float sums[2 * MaxBlockRows * 16];
       const int64_t block = std::max<int64_t>(1, kIntegerPairBlock / group_bytes);  // groups per block
@@ -2643,6 +2661,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "than into L1: not)");
   m.def("pair_l2_prefetch", &pair_l2_prefetch, "how many bytes ahead the two streams per thread of a product "
         "that reads pairs are fetched into L2");
+  m.def("set_pass_pair_l2_prefetch", &set_pass_pair_l2_prefetch, "how many bytes ahead integer products of "
+        "pass_pair_rows rows or more that read pairs in one tile also fetch each stream into L2 (0, or no further "
+        "than into L1: not)");
+  m.def("pass_pair_l2_prefetch", &pass_pair_l2_prefetch, "how many bytes ahead integer passes that read pairs "
+        "in one tile fetch each stream into L2");
   m.def("set_pair_prefetch", &set_pair_prefetch,
         "how many bytes ahead each of a product's two streams per thread is fetched in software (0: by the hardware alone)");
   m.def("pair_prefetch", &pair_prefetch, "how many bytes ahead a product's two streams per thread are fetched");
