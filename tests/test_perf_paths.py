@@ -625,6 +625,8 @@ def test_passes_read_as_pairs_of_panels_give_the_rows_of_single_steps():
     singles = [torch.cat([product(x[i:i + 1], residual[i:i + 1]) for i in range(17)]) for product in products]
     defaults = {kind: k.pair_rows(kind) for kind in ("integer", "float")}
     default_ahead, default_l2, default_pass_l2 = k.pass_pair_prefetch(), k.pair_l2_prefetch(), k.pass_pair_l2_prefetch()
+    k.set_pair_l2_prefetch(1024)
+    pass_l2_after_one_row_l2_set = k.pass_pair_l2_prefetch()
     try:
         # passes of 5 rows or more fetch their pairs pass_pair_prefetch() ahead (the last far past the end),
         # and pairs pair_l2_prefetch() ahead into L2, integer passes of 5 rows or more in one tile pass_pair_l2_prefetch()
@@ -655,8 +657,10 @@ def test_passes_read_as_pairs_of_panels_give_the_rows_of_single_steps():
         k.set_pass_pair_l2_prefetch(default_pass_l2)
     assert defaults in ({"integer": 1, "float": 1}, {"integer": 8, "float": 3}, {"integer": 16, "float": 16})
     assert default_ahead == (k.pair_prefetch() or 1024)  # Intel: as one-row products; elsewhere 1 KB
-    # with AMX (the Xeon whose passes read faster without it) none; elsewhere as far as one-row products
-    assert default_pass_l2 == (0 if "amx_tile" in Path("/proc/cpuinfo").read_text().split() else default_l2)
+    # with AMX (the Xeon whose passes read faster without it) none; elsewhere as far as one-row products, even when
+    # those are set apart
+    amx = "amx_tile" in Path("/proc/cpuinfo").read_text().split()
+    assert (default_pass_l2, pass_l2_after_one_row_l2_set) == ((0, 0) if amx else (default_l2, 1024))
     # 16-bit float lines hold twice a float32 line's inputs: their passes fetch as passes from 3 rows
     assert [k.pass_pair_rows(w) for w in ("int4", "int8", "float32", "bfloat16", "float16")] == [5, 5, 5, 3, 3]
     with pytest.raises(RuntimeError, match="weights must be"):

@@ -282,8 +282,8 @@ inline int64_t pass_pair_prefetch() { return g_pass_pair_prefetch.load(std::memo
 void set_pass_pair_prefetch(int64_t bytes) { store_distance(g_pass_pair_prefetch, bytes); }
 // How far ahead integer passes of kPassPairRows rows or more that read pairs in one tile (5 to
 // kPairRows rows) also fetch each stream into L2, unless `set_pass_pair_l2_prefetch` changes
-// it: on Intel processors with AMX 0 (not at all), elsewhere as far as one-row products
-// (pair_l2_prefetch()). On the Xeon with AMX, int8 passes over 5 positions took 0.963x the
+// it: on processors with AMX 0 (not at all), elsewhere as far as one-row products, whatever
+// `set_pair_l2_prefetch` makes that (-1 below). On the Xeon with AMX, int8 passes over 5 positions took 0.963x the
 // time without it (three runs: 0.963-0.966x), int4's 0.984-0.989x, while passes over 3
 // positions took 1.017x (int8) and 1.003x (int4), so those keep it; on the Xeon without AMX
 // passes over 5 positions took 1.01x (int8) and 1.02x (int4) without it (benchmarks/stack_ab.py
@@ -292,10 +292,13 @@ void set_pass_pair_prefetch(int64_t bytes) { store_distance(g_pass_pair_prefetch
 // apart, where a virtual machine's model number does not.
 int64_t default_pass_pair_l2_prefetch() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("amx-tile") ? 0 : default_pair_l2_prefetch();
+  return __builtin_cpu_supports("amx-tile") ? 0 : -1;
 }
 std::atomic<int64_t> g_pass_pair_l2_prefetch{default_pass_pair_l2_prefetch()};
-inline int64_t pass_pair_l2_prefetch() { return g_pass_pair_l2_prefetch.load(std::memory_order_relaxed); }
+inline int64_t pass_pair_l2_prefetch() {
+  const int64_t bytes = g_pass_pair_l2_prefetch.load(std::memory_order_relaxed);
+  return bytes < 0 ? pair_l2_prefetch() : bytes;
+}
 void set_pass_pair_l2_prefetch(int64_t bytes) { store_distance(g_pass_pair_l2_prefetch, bytes); }
 
 // how far ahead a product of `rows` rows that reads pairs fetches each stream, where passes
