@@ -603,7 +603,6 @@ def test_prompt_lookup_bounded_by_its_match_drafts_as_far_as_the_match_runs_back
     assert PromptLookupProposer(3, 1, bounded_by_match=False).lookup([5, 7, 8, 9, 1, 2, 5], 8) == [7, 8, 9, 1, 2, 5]
 
 
-
 def test_prompt_lookup_forgets_a_text_that_another_does_not_continue():
     lookup = PromptLookupProposer(bounded_by_match=False)
     assert lookup.lookup([1, 2, 3, 1, 2], 2) == [3, 1]

@@ -283,11 +283,12 @@ void set_pass_pair_prefetch(int64_t bytes) { store_distance(g_pass_pair_prefetch
 // How far ahead integer passes of kPassPairRows rows or more that read pairs in one tile (5 to
 // kPairRows rows) also fetch each stream into L2, unless `set_pass_pair_l2_prefetch` changes
 // it: on processors with AMX 0 (not at all), elsewhere as far as one-row products, whatever
-// `set_pair_l2_prefetch` makes that (-1 below). On the Xeon with AMX, int8 passes over 5 positions took 0.963x the
-// time without it (three runs: 0.963-0.966x), int4's 0.984-0.989x, while passes over 3
-// positions took 1.017x (int8) and 1.003x (int4), so those keep it; on the Xeon without AMX
-// passes over 5 positions took 1.01x (int8) and 1.02x (int4) without it (benchmarks/stack_ab.py
-// --patch variants/l2_fetch_only_in_one_row_products.patch; NOTES.md, "The Xeon with AMX a
+// `set_pair_l2_prefetch` makes that (-1 below). On the Xeon with AMX, int8 passes over 5
+// positions took 0.963x the time without it (three runs: 0.963-0.966x), int4's
+// 0.984-0.989x, while passes over 3 positions took 1.017x (int8) and 1.003x (int4), so those
+// keep it; on the Xeon without AMX passes over 5 positions took 1.01x (int8) and 1.02x (int4)
+// without it (benchmarks/stack_ab.py --patch
+// variants/l2_fetch_only_in_one_row_products.patch; NOTES.md, "The Xeon with AMX a
 // fourteenth time"). What differs between the two is not known; AMX is only what tells them
 // apart, where a virtual machine's model number does not.
 int64_t default_pass_pair_l2_prefetch() {
@@ -305,6 +306,10 @@ void set_pass_pair_l2_prefetch(int64_t bytes) { store_distance(g_pass_pair_l2_pr
 // of `pass_rows` rows or more fetch as passes
 inline int64_t pair_prefetch_for(int64_t rows, int64_t pass_rows) {
   return rows >= pass_rows ? pass_pair_prefetch() : pair_prefetch();
+}
+// how far ahead into L2 an integer pair tile of `rows` rows fetches each stream
+inline int64_t integer_pair_l2_prefetch_for(int64_t rows) {
+  return rows >= kPassPairRows ? pass_pair_l2_prefetch() : pair_l2_prefetch();
 }
 
 // The helpers that only prefetch are always inlined: GCC counts a prefetch as no side effect,
@@ -598,7 +603,7 @@ struct IntegerTile {
   const float* residual;
   const uint8_t* fetch_end;
   int64_t ahead;
-  int64_t far;  // a pair's fetch into L2 (pair_l2_prefetch; a single panel has none)
+  int64_t far;  // a pair's fetch into L2 (integer_pair_l2_prefetch_for; a single panel has none)
   float* sums = nullptr;
   int64_t g0 = 0, g1 = 0;
   PairFetch fetch{0, 0, false};
@@ -624,7 +629,7 @@ void for_each_integer_tile(const uint8_t* panels, int64_t n, int64_t k, int64_t 
     const auto part = [&](int64_t first, const uint8_t* fetch_end, int64_t ahead) {
       return IntegerTile{{panels + p * stride, panels + q * stride}, {p * kPanel, q * kPanel}, first,
                          y + first * n, residual ? residual + first * n : nullptr, fetch_end, ahead,
-                         pair_l2_prefetch()};
+                         integer_pair_l2_prefetch_for(rows)};
     };
     if (q < 0) {  // one panel: a pass read as one stream, or a region's odd one out, in tiles
       split_rows(rows, MaxRows, [&](int64_t first, int64_t count) {
@@ -634,9 +639,9 @@ void for_each_integer_tile(const uint8_t* panels, int64_t n, int64_t k, int64_t 
         });
       });
     } else if (rows <= MaxPairRows) {  // two streams (fetched pair_prefetch_for bytes ahead)
-      IntegerTile it = part(row0, nullptr, ahead);
-      if (rows >= kPassPairRows) it.far = pass_pair_l2_prefetch();
-      with_rows<MaxPairRows>(rows, [&](auto r) { tile(r, std::integral_constant<int, 2>{}, std::false_type{}, it); });
+      with_rows<MaxPairRows>(rows, [&](auto r) {
+        tile(r, std::integral_constant<int, 2>{}, std::false_type{}, part(row0, nullptr, ahead));
+      });
     } else {
       alignas(64) float sums[2 * MaxBlockRows * 16];
       const int64_t block = std::max<int64_t>(1, kIntegerPairBlock / group_bytes);  // groups per block
