@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -50,6 +51,34 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of text one token stands for, which may be part of a character (a
+        byte-level BPE token, or a SentencePiece byte such as <0xE4>); special tokens are
+        their own text. Decoding a lone token would give U+FFFD for a partial character."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_ids:
+            return piece.encode()
+        if self._byte_level:
+            try:
+                return bytes(BYTE_LEVEL_CHARS[ch] for ch in piece)
+            except KeyError:  # not in the byte alphabet: a token added as plain text
+                return piece.encode()
+        byte = SENTENCEPIECE_BYTE.fullmatch(piece)
+        if byte:
+            return bytes([int(byte[1], 16)])
+        return piece.replace(SENTENCEPIECE_SPACE, " ").encode()
+
+    @cached_property
+    def _added_ids(self) -> set[int]:
+        return set(self.backend.get_added_tokens_decoder())
+
+    @cached_property
+    def _byte_level(self) -> bool:
+        decoder = self.backend.decoder
+        return decoder is not None and '"ByteLevel"' in decoder.__getstate__().decode()
+
     # -- chat
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
@@ -74,6 +103,22 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): printable bytes stand for themselves, the other
+    bytes for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in chars.values()]
+    chars.update({chr(256 + i): b for i, b in enumerate(others)})
+    return chars
+
+
+BYTE_LEVEL_CHARS = _byte_level_chars()
+SENTENCEPIECE_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+SENTENCEPIECE_SPACE = "\u2581"
 
 
 def _token_content(value: Any) -> str | None:
