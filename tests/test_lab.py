@@ -749,6 +749,18 @@ def test_generate_prints_both_loads_and_the_speculative_counts(models, capsys):
     assert code == 0 and "(draft" not in out  # prompt lookup loads nothing
 
 
+def test_generate_json_carries_logprobs_when_asked(models, capsys):
+    argv = ["generate", "--model", models / "target", "--draft", models / "other", "-n", "6", "--ignore-eos", "hi"]
+    code, out = run_cli(capsys, *argv[:-1], "--json", "--logprobs", "2", argv[-1])
+    assert code == 0
+    logprobs = json.loads(out)["logprobs"]
+    assert len(logprobs) == 6 and all(len(lp["top"]) == 2 and lp["logprob"] <= 0 for lp in logprobs)
+    code, out = run_cli(capsys, *argv[:-1], "--logprobs", "2", argv[-1])
+    assert code == 1 and "--logprobs is reported in the JSON output: add --json" in out
+    code, out = run_cli(capsys, *argv[:-1], "--json", "--logprobs", "30", argv[-1])
+    assert code == 1 and "--logprobs takes 0 to 20" in out
+
+
 def test_generate_no_lookup_keeps_adaptive_rounds_to_the_draft_model(models, capsys):
     """--adaptive with a draft model sends prompt lookup's drafts where a repeating text has
     them; --no-lookup leaves them out. The tokens are the same either way."""

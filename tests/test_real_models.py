@@ -70,9 +70,21 @@ def test_real_pair_speculation_reproduces_the_target(real_pair):
     print("\n".join(report))  # shown with -s: the margin of any tie
 
 
+def test_real_pair_logprobs_of_kept_drafts_are_plain_decodings(real_pair):
+    """A verification pass gives each position the same logits a plain step does, so the
+    log-probabilities reported for kept drafts are bit for bit what plain decoding reports."""
+    target, draft = real_pair
+    ids = target.tokenizer.encode_chat([{"role": "user", "content": PROMPTS[0]}])
+    plain = generate(target, ids, max_tokens=24, logprobs=3)
+    speculative = generate(target, ids, max_tokens=24, logprobs=3, draft=draft, gamma=5)
+    assert speculative.token_ids == plain.token_ids and speculative.spec.accepted > 0
+    assert speculative.logprobs == plain.logprobs
+
+
 @pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "smollm2-135m"])
 def test_streamed_text_is_the_whole_outputs_text_with_real_tokenizers(name):
-    """Token by token, TextAssembler hands out exactly what decoding the whole output gives."""
+    """Token by token, TextAssembler hands out exactly what decoding the whole output gives,
+    and the tokens' bytes join into the text's."""
     import random
 
     from verispec.generate import TextAssembler
@@ -87,6 +99,8 @@ def test_streamed_text_is_the_whole_outputs_text_with_real_tokenizers(name):
         text = TextAssembler(tokenizer, ())
         joined = "".join(text.add(i)[0] for i in ids) + text.flush()
         assert joined == text.text == tokenizer.decode(ids), ids
+    for sample, ids in zip(samples, ids_list):  # what log-probabilities report as each token's bytes
+        assert b"".join(tokenizer.token_bytes(i) for i in ids) == sample.encode()
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])

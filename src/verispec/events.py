@@ -17,6 +17,22 @@ from typing import Literal
 Origin = Literal["target", "draft", "recovered", "bonus"]
 
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
+
+
+@dataclass(slots=True, frozen=True)
+class Logprob:
+    """The target's log-probability of an emitted token, from the logits of the pass that
+    chose or checked it (before temperature, top-k and top-p), and the `top` most likely ids
+    there as (id, log-probability), most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"logprob": self.logprob, "top": [list(pair) for pair in self.top]}
+
+
 @dataclass(slots=True)
 class Token:
     token_id: int
@@ -24,6 +40,7 @@ class Token:
     origin: Origin
     index: int  # position among the generated tokens
     round: int  # which target pass produced or confirmed it
+    logprob: Logprob | None = None  # when the request asks for log-probabilities
 
 
 @dataclass
@@ -91,6 +108,7 @@ class GenerationResult:
     finish_reason: Literal["stop", "length", "eos"]
     timings: Timings
     spec: SpecStats | None = None  # None for baseline decoding
+    logprobs: list[Logprob] | None = None  # one per token id, when asked for
 
     def to_dict(self) -> dict:
         out = {
@@ -103,6 +121,8 @@ class GenerationResult:
         }
         if self.spec is not None:
             out["spec"] = self.spec.to_dict()
+        if self.logprobs is not None:
+            out["logprobs"] = [lp.to_dict() for lp in self.logprobs]
         return out
 
 

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from verispec.errors import ContextOverflowError, VerispecError
-from verispec.events import Event, Finished, GenerationResult, SpecStats, Timings, Token
-from verispec.sampling import SamplingParams, next_token
+from verispec.events import MAX_TOP_LOGPROBS, Event, Finished, GenerationResult, Logprob, SpecStats, Timings, Token
+from verispec.sampling import SamplingParams, next_token, token_logprobs
 from verispec.spec.gamma import make_policy
 from verispec.spec.prompt_lookup import PromptLookupProposer
 from verispec.spec.proposer import Proposer
@@ -194,8 +194,11 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
            top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
            stop: str | Sequence[str] | None = (),
            chat: bool = False, ignore_eos: bool = False, ngram: tuple[int, int] = (3, 1),
-           draft_vocab: int | str | None = "auto", lookup: bool = True) -> Iterator[Event]:
+           draft_vocab: int | str | None = "auto", lookup: bool = True,
+           logprobs: int | None = None) -> Iterator[Event]:
     """Decode from `target` (a LoadedModel); with `draft`, speculatively. Yields Token events, then Finished.
+    With `logprobs` (0 to MAX_TOP_LOGPROBS), every token carries the target's log-probability
+    of it and of its `logprobs` most likely alternatives (`token_logprobs`).
     A draft model proposes only the first `draft_vocab` token ids and the context's; "auto"
     (the default) limits a vocabulary of more than 65,536 ids to the first 32,768, None keeps
     all (`draft_vocab_limit`). With
@@ -208,6 +211,9 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     if draft_vocab not in (None, "auto") and not is_whole(draft_vocab, 1):
         raise VerispecError(f"the draft vocabulary must be a whole number >= 1, 'auto' or None (all of it), "
                             f"got {draft_vocab!r}")
+    if logprobs is not None and not is_whole(logprobs, 0, MAX_TOP_LOGPROBS):
+        raise VerispecError(f"logprobs must be a whole number from 0 to {MAX_TOP_LOGPROBS} (the alternatives "
+                            f"per token) or None, got {logprobs!r}")
     params = SamplingParams(temperature, top_k, top_p, seed)
     stop = _stop_strings(stop)
     generator = params.generator() if not params.greedy else None
@@ -236,19 +242,25 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     eos_ids = set() if ignore_eos else tokenizer.eos_ids
     out_ids: list[int] = []
     origins: list[str] = []
+    out_logprobs: list[Logprob] | None = [] if logprobs is not None else None
     finish = None
 
-    def emit(tokens: list[int], kinds: list[str], round_index: int) -> Iterator[Token]:
-        """Emit tokens in order until a stop condition; sets `finish` when one is met."""
+    def emit(tokens: list[int], kinds: list[str], round_index: int, rows: torch.Tensor) -> Iterator[Token]:
+        """Emit tokens in order until a stop condition; sets `finish` when one is met.
+        rows[i]: the target's logits that chose or checked tokens[i]."""
         nonlocal finish
-        for token, kind in zip(tokens, kinds):
+        for i, (token, kind) in enumerate(zip(tokens, kinds)):
             if token in eos_ids:
                 finish = "eos"
                 return
             piece, stopped = text.add(token)
             out_ids.append(token)
             origins.append(kind)
-            yield Token(token, piece, kind, len(out_ids) - 1, round_index)
+            logprob = None
+            if out_logprobs is not None:
+                logprob = token_logprobs(rows[i], [token], logprobs)[0]
+                out_logprobs.append(logprob)
+            yield Token(token, piece, kind, len(out_ids) - 1, round_index, logprob)
             if stopped:
                 finish = "stop"
                 return
@@ -265,7 +277,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     stats.rounds, stats.plain = 1, 1
     stats.gammas.append(0)
     context = [*prompt_ids, first]
-    yield from emit([first], ["target"], 0)
+    yield from emit([first], ["target"], 0, logits[None])
     if finish == "eos":
         stats.plain = 0
     decode_started = time.perf_counter()
@@ -320,7 +332,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
         last_kind = "target" if not drafts else ("bonus" if verdict.bonus else "recovered")
         kinds = ["draft"] * verdict.accepted + [last_kind]
         before = len(out_ids)
-        yield from emit(new, kinds, stats.rounds)
+        yield from emit(new, kinds, stats.rounds, logits)
         emitted = len(out_ids) - before
         _count(stats, drafts, verdict, emitted)
         context.extend(new)
@@ -330,7 +342,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
                       (len(out_ids) - 1) / decode_s if decode_s > 0 and len(out_ids) > 1 else 0.0)
     tail = text.flush()
     result = GenerationResult(text.text, out_ids, origins, len(prompt_ids), finish, timings,
-                              stats if proposer is not None else None)
+                              stats if proposer is not None else None, out_logprobs)
     yield Finished(result, tail=tail)
 
 

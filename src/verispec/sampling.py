@@ -6,12 +6,15 @@ sampling reproduces exactly the distribution that plain sampling draws from.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from verispec.errors import VerispecError
+from verispec.events import Logprob
 from verispec.kernels import cpu_kernels
 from verispec.values import is_number, is_whole
 
@@ -200,3 +203,28 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     if params.greedy:
         return greedy_token(logits)
     return sample(probabilities(logits, params), generator)
+
+
+LOGPROB_FLOOR = -9999.0  # what an impossible id (a masked logit) reports, as OpenAI does: JSON has no -inf
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int = 0) -> list[Logprob]:
+    """Each row's log-softmax at its token, and its `top` most likely ids (ties: the lower id
+    first). Rows of [len(tokens), vocab] logits, as the model gave them: the target's own
+    distribution, before temperature, top-k and top-p. Sums in float64 over float32 logits,
+    so a row gives the same figures whichever pass (a plain step or a verification) made it."""
+    rows = np.asarray(logits.detach().float().cpu()).reshape(-1, logits.shape[-1])
+    top = min(top, rows.shape[-1])
+    out = []
+    for row, token in zip(rows, tokens):
+        peak = row.max()
+        log_total = math.log(np.exp(row - peak).sum(dtype=np.float64))
+        ids = np.argpartition(row, -top)[-top:] if top else np.empty(0, dtype=np.int64)
+        ids = ids[np.lexsort((ids, -row[ids]))]
+        alternatives = tuple((int(i), _floored(float(row[i] - peak) - log_total)) for i in ids)
+        out.append(Logprob(_floored(float(row[token] - peak) - log_total), alternatives))
+    return out
+
+
+def _floored(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)

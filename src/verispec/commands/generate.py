@@ -7,6 +7,7 @@ import sys
 
 from verispec.commands.options import (add_draft_vocab_option, add_model_options, load_target_and_draft, non_negative_float,
                                        non_negative_int, positive_int, probability)
+from verispec.events import MAX_TOP_LOGPROBS
 
 # how --show colours each token by origin (the seed's figure: kept drafts purple)
 ORIGIN_STYLE = {"target": "default", "draft": "magenta", "recovered": "red", "bonus": "green"}
@@ -27,6 +28,9 @@ def register(sub) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    parser.add_argument("--logprobs", type=non_negative_int, default=None, metavar="N",
+                        help="with --json: each token's log-probability under the target and its N most "
+                             f"likely alternatives (0 to {MAX_TOP_LOGPROBS})")
     parser.add_argument("--show", action="store_true",
                         help="colour tokens by origin (kept draft, recovered, bonus) and print the statistics")
     parser.set_defaults(func=run)
@@ -35,16 +39,21 @@ def register(sub) -> None:
 def run(args) -> int:
     from rich.console import Console
 
+    from verispec.errors import VerispecError
     from verispec.events import Finished
     from verispec.generate import stream
 
+    if args.logprobs is not None and not args.json:
+        raise VerispecError("--logprobs is reported in the JSON output: add --json")
+    if args.logprobs is not None and args.logprobs > MAX_TOP_LOGPROBS:
+        raise VerispecError(f"--logprobs takes 0 to {MAX_TOP_LOGPROBS} alternatives per token, got {args.logprobs}")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     target, draft = load_target_and_draft(args)
     events = stream(target, prompt, draft=draft, gamma=args.gamma, adaptive=args.adaptive,
                     max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat,
                     ignore_eos=args.ignore_eos, ngram=tuple(args.ngram), draft_vocab=args.draft_vocab,
-                    lookup=not args.no_lookup)
+                    lookup=not args.no_lookup, logprobs=args.logprobs)
     console = Console(highlight=False)
     result = None
     for event in events:

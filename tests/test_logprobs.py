@@ -1,0 +1,120 @@
+"""Log-probabilities: the target's own, the same whether a token came from a plain step or a verification."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import tiny
+from verispec.errors import VerispecError
+from verispec.events import Finished, Token
+from verispec.generate import generate, stream
+from verispec.loading import load_model
+from verispec.loading.tokenizer import Tokenizer
+
+PROMPT = "the cat sat on the mat. the cat sat on the"
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("target")
+    tiny.save_hf_model(path, "qwen2", seed=1)
+    return load_model(path)
+
+
+@pytest.fixture(scope="module")
+def unrelated(tmp_path_factory):
+    path = tmp_path_factory.mktemp("draft")
+    tiny.save_hf_model(path, "llama", seed=2, num_hidden_layers=1)
+    return load_model(path)
+
+
+@pytest.fixture(scope="module")
+def baseline(target):
+    return generate(target, PROMPT, max_tokens=30, ignore_eos=True, logprobs=3)
+
+
+def whole_text_log_softmax(target, ids: list[int]) -> torch.Tensor:
+    """log-softmax of the target's logits over prompt + output in one pass, on the plain PyTorch path."""
+    from verispec.kernels import switched_off
+
+    with switched_off(), torch.inference_mode():
+        logits = target.model(torch.tensor([ids]), target.model.new_cache(len(ids)))[0]
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+def test_logprobs_are_the_targets_log_softmax(target, baseline):
+    prompt_ids = target.tokenizer.encode(PROMPT)
+    reference = whole_text_log_softmax(target, prompt_ids + baseline.token_ids)
+    assert len(baseline.logprobs) == len(baseline.token_ids) == 30
+    for i, (token, lp) in enumerate(zip(baseline.token_ids, baseline.logprobs)):
+        row = reference[len(prompt_ids) - 1 + i]  # the position that predicts token i
+        assert lp.logprob == pytest.approx(float(row[token]), abs=1e-4)
+        expected = torch.topk(row, 3)
+        assert [i for i, _ in lp.top] == expected.indices.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(expected.values.tolist(), abs=1e-4)
+        assert lp.top[0] == (token, lp.logprob)  # greedy: the token is the likeliest
+
+
+@pytest.mark.parametrize("draft_kind", ["self", "unrelated", "ngram", "adaptive"])
+def test_speculative_logprobs_are_plain_decodings(target, unrelated, baseline, draft_kind):
+    draft = {"self": target, "unrelated": unrelated, "ngram": "ngram", "adaptive": unrelated}[draft_kind]
+    result = generate(target, PROMPT, draft=draft, gamma=5, adaptive=draft_kind == "adaptive", max_tokens=30,
+                      ignore_eos=True, logprobs=3)
+    assert result.token_ids == baseline.token_ids
+    assert result.spec.drafted > 0
+    for got, want in zip(result.logprobs, baseline.logprobs, strict=True):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+        assert [i for i, _ in got.top] == [i for i, _ in want.top]
+        assert [v for _, v in got.top] == pytest.approx([v for _, v in want.top], abs=1e-5)
+
+
+def test_sampled_tokens_carry_their_logprobs_in_the_stream(target, unrelated):
+    events = list(stream(target, PROMPT, draft=unrelated, gamma=4, max_tokens=25, temperature=0.9, seed=7,
+                         ignore_eos=True, logprobs=5))
+    tokens = [e for e in events if isinstance(e, Token)]
+    result = events[-1].result
+    assert isinstance(events[-1], Finished)
+    assert [t.logprob for t in tokens] == result.logprobs
+    for lp in result.logprobs:
+        values = [v for _, v in lp.top]
+        assert len(lp.top) == 5 and values == sorted(values, reverse=True)
+        assert lp.logprob <= values[0] <= 0.0 and math.isfinite(lp.logprob)
+    assert result.to_dict()["logprobs"][0] == {"logprob": result.logprobs[0].logprob,
+                                               "top": [list(pair) for pair in result.logprobs[0].top]}
+
+
+def test_without_logprobs_nothing_is_computed(target):
+    result = generate(target, PROMPT, max_tokens=3, ignore_eos=True)
+    assert result.logprobs is None and "logprobs" not in result.to_dict()
+    assert generate(target, PROMPT, max_tokens=3, ignore_eos=True, logprobs=0).logprobs[0].top == ()
+
+
+@pytest.mark.parametrize("logprobs", [-1, 21, 1.5, "3"])
+def test_bad_logprobs_are_refused(target, logprobs):
+    with pytest.raises(VerispecError, match="logprobs must be a whole number from 0 to 20"):
+        generate(target, PROMPT, max_tokens=2, logprobs=logprobs)
+
+
+def test_a_byte_level_tokens_bytes_join_into_the_texts_bytes():
+    tokenizer = Tokenizer(tiny.tiny_tokenizer(), {tiny.EOS_ID})
+    text = "naïve 数据 😀 the cat\n\tsat"
+    ids = tokenizer.encode(text)
+    pieces = [tokenizer.token_bytes(i) for i in ids]
+    assert b"".join(pieces) == text.encode()
+    assert any(len(p.decode("utf-8", errors="replace")) != len(p.decode("utf-8", errors="ignore")) for p in pieces)
+    assert tokenizer.token_bytes(tiny.EOS_ID) == b"<|im_end|>"
+
+
+def test_sentencepiece_tokens_give_their_bytes_and_spaces():
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, "\u2581the": 1, "<0xE6>": 2, "<0x95>": 3, "<0xB0>": 4, "cat": 5}
+    backend = Backend(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer = Tokenizer(backend, set())
+    assert [tokenizer.token_bytes(i) for i in (1, 2, 3, 4, 5)] == [b" the", b"\xe6", b"\x95", b"\xb0", b"cat"]
+    assert b"".join(tokenizer.token_bytes(i) for i in (1, 2, 3, 4)).decode() == " the\u6570"
