@@ -208,6 +208,59 @@ def test_chat_stream_deltas(client, target):
     assert slowest - 0.005 <= stats["tokens_per_s"] <= fastest + 0.005
 
 
+def test_chat_logprobs_are_generates_with_each_tokens_bytes(client, target):
+    expected = generate(target, MESSAGES, max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    request = {"messages": MESSAGES, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": True,
+               "top_logprobs": 2}
+    [choice] = client.post("/v1/chat/completions", json=request).json()["choices"]
+    content = choice["logprobs"]["content"]
+    assert [entry["logprob"] for entry in content] == [lp.logprob for lp in expected.logprobs]
+    joined = bytes(b for entry in content for b in entry["bytes"])
+    assert joined.decode("utf-8", errors="replace") == choice["message"]["content"]
+    for entry, token_id, lp in zip(content, expected.token_ids, expected.logprobs, strict=True):
+        assert bytes(entry["bytes"]) == target.tokenizer.token_bytes(token_id)
+        assert [(a["logprob"], bytes(a["bytes"])) for a in entry["top_logprobs"]] == [
+            (v, target.tokenizer.token_bytes(i)) for i, v in lp.top]
+    streamed = sse_payloads(client.post("/v1/chat/completions", json={**request, "stream": True}))[:-1]
+    pieces = [c["choices"][0]["logprobs"] for c in streamed if c["choices"][0]["logprobs"] is not None]
+    assert [entry for piece in pieces for entry in piece["content"]] == content
+    assert streamed[0]["choices"][0]["logprobs"] is None  # the role's chunk carries no token
+
+
+def test_completion_logprobs_in_the_legacy_shape(client, spec_client, target):
+    request = {"prompt": PROMPT, "max_tokens": 14, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    [choice] = client.post("/v1/completions", json=request).json()["choices"]
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["text_offset"]) == 14
+    expected = generate(target, PROMPT, max_tokens=14, temperature=0, ignore_eos=True)
+    assert logprobs["tokens"] == [target.tokenizer.token_bytes(i).decode("utf-8", errors="replace")
+                                  for i in expected.token_ids]
+    offsets = logprobs["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(choice["text"])
+    for token, value, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
+        assert top[token] == value == max(top.values())  # greedy: the token is the likeliest
+    streamed = sse_payloads(client.post("/v1/completions", json={**request, "stream": True}))[:-1]
+    parts = [c["choices"][0]["logprobs"] for c in streamed if c["choices"][0]["logprobs"] is not None]
+    assert {key: [v for part in parts for v in part[key]] for key in logprobs} == logprobs
+    [speculative] = spec_client.post("/v1/completions", json=request).json()["choices"]
+    assert speculative["logprobs"]["tokens"] == logprobs["tokens"]
+    assert speculative["logprobs"]["token_logprobs"] == pytest.approx(logprobs["token_logprobs"], abs=1e-5)
+
+
+def test_text_offsets_count_characters_not_bytes(target):
+    from verispec.events import Logprob
+    from verispec.server.responses import LogprobsShape
+
+    ids = target.tokenizer.encode("a\u00e9\u20acb")  # 1, 2, 3 and 1 bytes: one token per byte here
+    assert len(ids) == 7
+    whole = LogprobsShape(target.tokenizer, chat=False).body(ids, [Logprob(-1.0)] * 7)
+    assert whole["text_offset"] == [0, 1, 1, 2, 2, 2, 3]  # a character's bytes all start where it does
+    assert whole["tokens"][0] == "a" and whole["tokens"][1] == "\ufffd"
+    streamed = LogprobsShape(target.tokenizer, chat=False)
+    parts = [streamed.body(ids[:2], [Logprob(-1.0)] * 2), streamed.body(ids[2:], [Logprob(-1.0)] * 5)]
+    assert parts[0]["text_offset"] + parts[1]["text_offset"] == whole["text_offset"]
+
+
 def test_seeded_sampling_repeats(client):
     request = {"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "top_p": 0.9, "seed": 7, "ignore_eos": True}
     first = client.post("/v1/completions", json=request).json()["choices"][0]["text"]
@@ -334,7 +387,9 @@ def assert_error(response, status: int, *fragments: str) -> dict:
     ({"prompt": PROMPT, "seed": 99999999999999999999999}, ["seed", "less than or equal to 18446744073709551615"],
      "seed"),
     ({"prompt": PROMPT, "seed": -(2**63) - 1}, ["seed", "greater than or equal to -9223372036854775808"], "seed"),
-    ({"prompt": PROMPT, "logprobs": 5}, ["logprobs", "not supported"], None),
+    ({"prompt": PROMPT, "echo": True}, ["echo", "not supported"], None),
+    ({"prompt": PROMPT, "logprobs": 21}, ["logprobs", "less than or equal to 20"], "logprobs"),
+    ({"prompt": PROMPT, "logprobs": -1}, ["logprobs", "greater than or equal to 0"], "logprobs"),
     ({"prompt": PROMPT, "presence_penalty": 0.5}, ["presence_penalty", "not supported"], None),
     ({"prompt": [PROMPT, PROMPT]}, ["one prompt per request"], "prompt"),
     ({"prompt": PROMPT, "stop": 5}, ["stop must be a string or a list of strings"], "stop"),
@@ -397,6 +452,9 @@ def test_prompt_longer_than_the_context(client):
      ["only text content"]),
     ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, ["tools", "not supported"]),
     ({"messages": MESSAGES, "max_completion_tokens": -3}, ["max_completion_tokens"]),
+    ({"messages": MESSAGES, "top_logprobs": 3}, ["top_logprobs needs logprobs: true"]),
+    ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, ["top_logprobs", "less than or equal to 20"]),
+    ({"messages": MESSAGES, "logprobs": "sure"}, ["logprobs", "boolean"]),
 ])
 def test_bad_chat_requests(client, body, fragments):
     assert_error(client.post("/v1/chat/completions", json=body), 400, *fragments)

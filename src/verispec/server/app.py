@@ -27,10 +27,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.errors import ContextOverflowError, VerispecError
-from verispec.events import Event, Finished, GenerationResult
+from verispec.events import Event, Finished, GenerationResult, Logprob
 from verispec.generate import MAX_GAMMA, make_proposer, stream
 from verispec.server.metrics import ServerMetrics
-from verispec.server.responses import FINISH_REASONS, ResponseShape, error_body, sse
+from verispec.server.responses import FINISH_REASONS, LogprobsShape, ResponseShape, error_body, sse
 from verispec.server.schemas import EXPECTED_SHAPES, ChatCompletionRequest, CompletionRequest, DecodingRequest
 
 log = logging.getLogger("verispec.server")
@@ -114,6 +114,7 @@ class Engine:
             gamma=self.gamma,
             adaptive=self.adaptive,
             lookup=self.lookup,
+            logprobs=request.alternatives,
         )
         return Job(prompt_ids, options)
 
@@ -213,7 +214,8 @@ def create_app(target, draft=None, gamma: int = 4, adaptive: bool | str = False,
 
 
 async def _answer(engine: Engine, job: Job, request: DecodingRequest, chat: bool) -> Response:
-    shape = ResponseShape(engine.name, chat, engine.draft_name)
+    logprobs = LogprobsShape(engine.target.tokenizer, chat) if request.alternatives is not None else None
+    shape = ResponseShape(engine.name, chat, engine.draft_name, logprobs)
     if request.stream:
         return StreamingResponse(_sse_stream(engine, job, shape, request.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -224,14 +226,19 @@ async def _answer(engine: Engine, job: Job, request: DecodingRequest, chat: bool
 async def _sse_stream(engine: Engine, job: Job, shape: ResponseShape, include_usage: bool) -> AsyncIterator[str]:
     if shape.chat:
         yield sse(shape.chunk("", role=True))
+    unsent: list[tuple[int, Logprob]] = []  # log-probabilities of tokens whose text is not sent yet
     try:
         async for event in engine.events(job):
             if isinstance(event, Finished):
-                yield sse(shape.final_chunk(event.result, event.tail))
+                yield sse(shape.final_chunk(event.result, event.tail, unsent))
                 if include_usage:
                     yield sse(shape.usage_chunk(event.result))
-            elif event.text:  # a token whose text is still incomplete sends nothing yet
-                yield sse(shape.chunk(event.text))
+                continue
+            if event.logprob is not None:
+                unsent.append((event.token_id, event.logprob))
+            if event.text:  # a token whose text is still incomplete sends nothing yet
+                yield sse(shape.chunk(event.text, tokens=unsent))
+                unsent = []
     except VerispecError as exc:  # the status line is already sent: report it in the stream
         yield sse(error_body(str(exc), 400))
     except Exception as exc:  # a bug: log it here, and tell the client in one line

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from verispec.events import GenerationResult
+from verispec.events import GenerationResult, Logprob
 
 # verispec's reasons -> OpenAI's: the end-of-text token and a stop string are both "stop"
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -60,6 +62,43 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
+class LogprobsShape:
+    """Log-probabilities in OpenAI's shapes: chat's `content` list (token, logprob, bytes,
+    top_logprobs), or the completions API's parallel lists (tokens, token_logprobs,
+    top_logprobs, text_offset). One per response: a stream's chunks continue its text offsets."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer, self.chat = tokenizer, chat
+        self.offset = 0  # characters of the completion before the next token
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def body(self, ids: Sequence[int], logprobs: Sequence[Logprob]) -> dict[str, Any]:
+        """The entries of these consecutive tokens."""
+        if self.chat:
+            return {"content": [self._chat_entry(i, lp) for i, lp in zip(ids, logprobs)], "refusal": None}
+        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, lp in zip(ids, logprobs):
+            out["tokens"].append(self._text(token_id))
+            out["token_logprobs"].append(lp.logprob)
+            # vLLM's shape: the alternatives and the token itself
+            out["top_logprobs"].append({**{self._text(i): v for i, v in lp.top}, self._text(token_id): lp.logprob})
+            out["text_offset"].append(self.offset)
+            self.offset += len(self.decoder.decode(self.tokenizer.token_bytes(token_id)))
+        return out
+
+    def _chat_entry(self, token_id: int, lp: Logprob) -> dict[str, Any]:
+        entry = self._alternative(token_id, lp.logprob)
+        entry["top_logprobs"] = [self._alternative(i, v) for i, v in lp.top]
+        return entry
+
+    def _alternative(self, token_id: int, logprob: float) -> dict[str, Any]:
+        raw = self.tokenizer.token_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
 @dataclass
 class ResponseShape:
     """The ids, timestamps and shapes one response and its chunks share."""
@@ -67,6 +106,7 @@ class ResponseShape:
     model: str
     chat: bool
     draft: str | None = None
+    logprobs: LogprobsShape | None = None  # when the request asks for log-probabilities
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -82,14 +122,19 @@ class ResponseShape:
             choice["message"] = {"role": "assistant", "content": result.text}
         else:
             choice["text"] = result.text
-        choice.update(logprobs=None, finish_reason=FINISH_REASONS[result.finish_reason])
+        logprobs = None
+        if self.logprobs is not None and result.logprobs is not None:
+            logprobs = self.logprobs.body(result.token_ids, result.logprobs)
+        choice.update(logprobs=logprobs, finish_reason=FINISH_REASONS[result.finish_reason])
         body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
         body["usage"] = usage(result)
         body["verispec"] = decoding_summary(result, self.draft)
         return body
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
-        """A streamed piece: a delta for chat, a text piece for completions."""
+    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
+              tokens: Sequence[tuple[int, Logprob]] = ()) -> dict[str, Any]:
+        """A streamed piece: a delta for chat, a text piece for completions; with the
+        log-probabilities of `tokens` (id, logprob), those whose text it carries."""
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
@@ -98,11 +143,16 @@ class ResponseShape:
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
-        choice.update(logprobs=None, finish_reason=finish_reason)
+        logprobs = None
+        if self.logprobs is not None and tokens:
+            logprobs = self.logprobs.body([i for i, _ in tokens], [lp for _, lp in tokens])
+        choice.update(logprobs=logprobs, finish_reason=finish_reason)
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
-    def final_chunk(self, result: GenerationResult, tail: str) -> dict[str, Any]:
-        body = self.chunk(tail if tail or not self.chat else None, FINISH_REASONS[result.finish_reason])
+    def final_chunk(self, result: GenerationResult, tail: str,
+                    tokens: Sequence[tuple[int, Logprob]] = ()) -> dict[str, Any]:
+        body = self.chunk(tail if tail or not self.chat else None, FINISH_REASONS[result.finish_reason],
+                          tokens=tokens)
         body["verispec"] = decoding_summary(result, self.draft)
         return body
 

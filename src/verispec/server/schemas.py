@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API, validated by pydantic.
 
 Unknown fields are ignored, as OpenAI's own clients send many. Fields that
-would change the answer in ways verispec does not implement (n > 1, logprobs,
+would change the answer in ways verispec does not implement (n > 1, echo,
 penalties, tools, ...) are refused with a clear message rather than silently
 dropped; their neutral values (null, 0, false, 1, the default) are accepted.
 """
@@ -12,14 +12,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from verispec.events import MAX_TOP_LOGPROBS
 from verispec.sampling import SEED_MAX, SEED_MIN
 
 # field -> the values that ask for nothing beyond plain decoding
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "echo": (None, False),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "suffix": (None, ""),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
@@ -84,10 +83,20 @@ class DecodingRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def alternatives(self) -> int | None:
+        """How many likeliest ids each token's log-probability comes with; None: no log-probabilities."""
+        return None
+
 
 class CompletionRequest(DecodingRequest):
     # text, token ids, or a batch of one of them
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # the likeliest ids per token
+
+    @property
+    def alternatives(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -131,9 +140,21 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(DecodingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="after")
     def _text_only(self) -> "ChatCompletionRequest":
         for message in self.messages:
             message.text()  # raises for image or audio parts
         return self
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def alternatives(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
