@@ -16,6 +16,10 @@ operations and by verispec's CPU path (the compiled kernel's softmax where no to
 top-p sorting only the ids that hold its mass), and by that path with the kernels off (the
 softmax in NumPy's operations).
 
+And the log-probabilities a request may ask for with each token (`token_logprobs`: the
+target's log-softmax at the token and its likeliest ids), against torch's log_softmax and
+topk on the same row.
+
 And the text every token adds to a streamed output (`TextAssembler`, with a byte-level
 tokenizer): its cost per token at 256 and at 4,096 tokens of output, against one decode
 of the whole 4,096-token output (what each token would cost if the whole output were
@@ -120,6 +124,17 @@ def warp_times(vocab: int = 151_936, calls: int = 50, rounds: int = 5) -> dict[s
                                     "cpu": lambda: probabilities(logits, params),
                                     "numpy": lambda: kernels_off(probabilities, logits, params)}, calls, rounds)
     return times
+
+
+def logprob_times(vocab: int = 151_936, calls: int = 50, rounds: int = 5) -> dict[str, float]:
+    """Median over rounds of the mean seconds per token of its log-probabilities with 0, 5 and
+    20 alternatives, and of torch's log_softmax and topk(5) on the same row of Zipf logits."""
+    from verispec.sampling import token_logprobs
+
+    logits = zipf_logits(vocab, torch.Generator().manual_seed(0))[None]
+    ways = {f"top {k}": (lambda k=k: token_logprobs(logits, [7], k)) for k in (0, 5, 20)}
+    ways["torch"] = lambda: torch.log_softmax(logits, -1).topk(5, -1)
+    return taking_turns(ways, calls, rounds)
 
 
 def kernels_off(function, *args):
@@ -260,6 +275,10 @@ def main() -> int:
         print(f"  warp of 151,936 logits, {name}, {threads} threads: torch {warp['torch'] * 1e6:.1f} µs, "
               f"verispec {warp['cpu'] * 1e6:.1f} µs ({warp['torch'] / warp['cpu']:.1f}x less; "
               f"{warp['numpy'] * 1e6:.1f} µs with the kernels off)")
+    logprobs = logprob_times(calls=10 if args.quick else 50, rounds=2 if args.quick else 5)
+    print(f"  log-probabilities of one token over 151,936 logits, {threads} threads: "
+          + ", ".join(f"{name} {logprobs[name] * 1e6:.1f} µs" for name in ("top 0", "top 5", "top 20"))
+          + f" (torch's log_softmax and topk(5): {logprobs['torch'] * 1e6:.1f} µs)")
     text = text_times(rounds=2 if args.quick else 5)
     print(f"  streamed text per token: {text['add@256'] * 1e6:.1f} µs at 256 tokens, {text['add@4096'] * 1e6:.1f} µs "
           f"at 4,096; decoding the whole 4,096-token output once: {text['whole@4096'] * 1e6:.1f} µs")
@@ -271,7 +290,8 @@ def main() -> int:
     print(f"  token embedding in GGUF Q4_K blocks, one token: {embedding['new'] * 1e6:.1f} µs not met before, "
           f"{embedding['seen'] * 1e6:.1f} µs met before ({embedding['new'] / embedding['seen']:.1f}x less)")
     save("overhead" + ("_quick" if args.quick else ""),
-         {"plain_s": plain, "fast_s": fast, "argmax_s": argmax, "draw_s": draws, "warp_s": warps, "text_s": text,
+         {"plain_s": plain, "fast_s": fast, "argmax_s": argmax, "draw_s": draws, "warp_s": warps,
+          "logprob_s": logprobs, "text_s": text,
           "lookup_s": lookup, "embedding_s": embedding})
     return 0 if met else 1
 
