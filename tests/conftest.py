@@ -9,6 +9,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import tiny  # noqa: E402  (found through the path above)
+
 
 @pytest.fixture(autouse=True)
 def _threads(request):
@@ -16,6 +18,26 @@ def _threads(request):
     real = request.node.get_closest_marker("real") is not None
     torch.set_num_threads(os.cpu_count() if real else 1)
     yield
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A tiny random Qwen2-shaped target, loaded from its folder (a module may define its own)."""
+    from verispec.loading import load_model
+
+    path = tmp_path_factory.mktemp("target")
+    tiny.save_hf_model(path, "qwen2", seed=1)
+    return load_model(path)
+
+
+@pytest.fixture(scope="module")
+def unrelated(tmp_path_factory):
+    """A tiny one-layer Llama-shaped draft with other weights: most of its drafts are rejected."""
+    from verispec.loading import load_model
+
+    path = tmp_path_factory.mktemp("draft")
+    tiny.save_hf_model(path, "llama", seed=2, num_hidden_layers=1)
+    return load_model(path)
 
 
 @pytest.fixture(scope="session")

@@ -11,24 +11,9 @@ import tiny
 from verispec.errors import VerispecError
 from verispec.events import Finished, Token
 from verispec.generate import generate, stream
-from verispec.loading import load_model
 from verispec.loading.tokenizer import Tokenizer
 
 PROMPT = "the cat sat on the mat. the cat sat on the"
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    path = tmp_path_factory.mktemp("target")
-    tiny.save_hf_model(path, "qwen2", seed=1)
-    return load_model(path)
-
-
-@pytest.fixture(scope="module")
-def unrelated(tmp_path_factory):
-    path = tmp_path_factory.mktemp("draft")
-    tiny.save_hf_model(path, "llama", seed=2, num_hidden_layers=1)
-    return load_model(path)
 
 
 @pytest.fixture(scope="module")

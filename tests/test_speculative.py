@@ -23,20 +23,6 @@ GAMMAS = list(range(1, 17))
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    path = tmp_path_factory.mktemp("target")
-    tiny.save_hf_model(path, "qwen2", seed=1)
-    return load_model(path)
-
-
-@pytest.fixture(scope="module")
-def unrelated(tmp_path_factory):
-    path = tmp_path_factory.mktemp("draft")
-    tiny.save_hf_model(path, "llama", seed=2, num_hidden_layers=1)
-    return load_model(path)
-
-
-@pytest.fixture(scope="module")
 def baseline(target):
     return generate(target, PROMPT, max_tokens=40, ignore_eos=True)
 
