@@ -390,6 +390,7 @@ def assert_error(response, status: int, *fragments: str) -> dict:
     ({"prompt": PROMPT, "echo": True}, ["echo", "not supported"], None),
     ({"prompt": PROMPT, "logprobs": 21}, ["logprobs", "less than or equal to 20"], "logprobs"),
     ({"prompt": PROMPT, "logprobs": -1}, ["logprobs", "greater than or equal to 0"], "logprobs"),
+    ({"prompt": PROMPT, "logprobs": True}, ["logprobs takes the number of likeliest ids", "not true"], "logprobs"),
     ({"prompt": PROMPT, "presence_penalty": 0.5}, ["presence_penalty", "not supported"], None),
     ({"prompt": [PROMPT, PROMPT]}, ["one prompt per request"], "prompt"),
     ({"prompt": PROMPT, "stop": 5}, ["stop must be a string or a list of strings"], "stop"),
@@ -414,6 +415,11 @@ def test_neutral_values_of_unsupported_options_are_accepted(client):
     body = {"prompt": PROMPT, "max_tokens": 2, "n": 1, "logprobs": None, "presence_penalty": 0,
             "frequency_penalty": 0.0, "best_of": 1, "echo": False, "user": "someone", "stop": None}
     assert client.post("/v1/completions", json=body).status_code == 200
+    answer = client.post("/v1/completions", json={**body, "logprobs": False})
+    assert answer.status_code == 200 and answer.json()["choices"][0]["logprobs"] is None
+    chat = {"messages": MESSAGES, "max_tokens": 2, "logprobs": False, "top_logprobs": 0}
+    answer = client.post("/v1/chat/completions", json=chat)
+    assert answer.status_code == 200 and answer.json()["choices"][0]["logprobs"] is None
 
 
 def test_bodies_that_are_not_a_json_object(client):

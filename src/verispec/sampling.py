@@ -211,8 +211,9 @@ LOGPROB_FLOOR = -9999.0  # what an impossible id (a masked logit) reports, as Op
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int = 0) -> list[Logprob]:
     """Each row's log-softmax at its token, and its `top` most likely ids (ties: the lower id
     first). Rows of [len(tokens), vocab] logits, as the model gave them: the target's own
-    distribution, before temperature, top-k and top-p. Sums in float64 over float32 logits,
-    so a row gives the same figures whichever pass (a plain step or a verification) made it."""
+    distribution, before temperature, top-k and top-p. The sum over the row is in float64;
+    a row depends on nothing but its logits, so a kept draft, whose row comes from a
+    verification pass, reports what a plain step reports wherever the two passes' logits agree."""
     rows = np.asarray(logits.detach().float().cpu()).reshape(-1, logits.shape[-1])
     top = min(top, rows.shape[-1])
     out = []

@@ -94,6 +94,17 @@ class CompletionRequest(DecodingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # the likeliest ids per token
 
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _false_is_none(cls, logprobs):
+        # some clients send chat's boolean here: false asks for nothing, true is not a count
+        if logprobs is False:
+            return None
+        if logprobs is True:
+            raise ValueError("logprobs takes the number of likeliest ids per token (0 to "
+                             f"{MAX_TOP_LOGPROBS}) on /v1/completions, not true")
+        return logprobs
+
     @property
     def alternatives(self) -> int | None:
         return self.logprobs
