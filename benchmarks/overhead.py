@@ -16,7 +16,7 @@ operations and by verispec's CPU path (the compiled kernel's softmax where no to
 top-p sorting only the ids that hold its mass), and by that path with the kernels off (the
 softmax in NumPy's operations).
 
-And the log-probabilities a request may ask for with each token (`token_logprobs`: the
+And the log-probabilities a request may ask for with each token (`token_logprob`: the
 target's log-softmax at the token and its likeliest ids), against torch's log_softmax and
 topk on the same row.
 
@@ -129,10 +129,10 @@ def warp_times(vocab: int = 151_936, calls: int = 50, rounds: int = 5) -> dict[s
 def logprob_times(vocab: int = 151_936, calls: int = 50, rounds: int = 5) -> dict[str, float]:
     """Median over rounds of the mean seconds per token of its log-probabilities with 0, 5 and
     20 alternatives, and of torch's log_softmax and topk(5) on the same row of Zipf logits."""
-    from verispec.sampling import token_logprobs
+    from verispec.sampling import token_logprob
 
-    logits = zipf_logits(vocab, torch.Generator().manual_seed(0))[None]
-    ways = {f"top {k}": (lambda k=k: token_logprobs(logits, [7], k)) for k in (0, 5, 20)}
+    logits = zipf_logits(vocab, torch.Generator().manual_seed(0))
+    ways = {f"top {k}": (lambda k=k: token_logprob(logits, 7, k)) for k in (0, 5, 20)}
     ways["torch"] = lambda: torch.log_softmax(logits, -1).topk(5, -1)
     return taking_turns(ways, calls, rounds)
 

@@ -18,7 +18,7 @@ import torch
 
 from verispec.errors import ContextOverflowError, VerispecError
 from verispec.events import MAX_TOP_LOGPROBS, Event, Finished, GenerationResult, Logprob, SpecStats, Timings, Token
-from verispec.sampling import SamplingParams, next_token, token_logprobs
+from verispec.sampling import SamplingParams, next_token, token_logprob
 from verispec.spec.gamma import make_policy
 from verispec.spec.prompt_lookup import PromptLookupProposer
 from verispec.spec.proposer import Proposer
@@ -198,7 +198,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
            logprobs: int | None = None) -> Iterator[Event]:
     """Decode from `target` (a LoadedModel); with `draft`, speculatively. Yields Token events, then Finished.
     With `logprobs` (0 to MAX_TOP_LOGPROBS), every token carries the target's log-probability
-    of it and of its `logprobs` most likely alternatives (`token_logprobs`).
+    of it and of its `logprobs` most likely alternatives (`token_logprob`).
     A draft model proposes only the first `draft_vocab` token ids and the context's; "auto"
     (the default) limits a vocabulary of more than 65,536 ids to the first 32,768, None keeps
     all (`draft_vocab_limit`). With
@@ -258,7 +258,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
             origins.append(kind)
             logprob = None
             if out_logprobs is not None:
-                logprob = token_logprobs(rows[i], [token], logprobs)[0]
+                logprob = token_logprob(rows[i], token, logprobs)
                 out_logprobs.append(logprob)
             yield Token(token, piece, kind, len(out_ids) - 1, round_index, logprob)
             if stopped:

@@ -7,7 +7,6 @@ sampling reproduces exactly the distribution that plain sampling draws from.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -208,23 +207,20 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
 LOGPROB_FLOOR = -9999.0  # what an impossible id (a masked logit) reports, as OpenAI does: JSON has no -inf
 
 
-def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int = 0) -> list[Logprob]:
-    """Each row's log-softmax at its token, and its `top` most likely ids (ties: the lower id
-    first). Rows of [len(tokens), vocab] logits, as the model gave them: the target's own
-    distribution, before temperature, top-k and top-p. The sum over the row is in float64;
-    a row depends on nothing but its logits, so a kept draft, whose row comes from a
-    verification pass, reports what a plain step reports wherever the two passes' logits agree."""
-    rows = np.asarray(logits.detach().float().cpu()).reshape(-1, logits.shape[-1])
-    top = min(top, rows.shape[-1])
-    out = []
-    for row, token in zip(rows, tokens):
-        peak = row.max()
-        log_total = math.log(np.exp(row - peak).sum(dtype=np.float64))
-        ids = np.argpartition(row, -top)[-top:] if top else np.empty(0, dtype=np.int64)
-        ids = ids[np.lexsort((ids, -row[ids]))]
-        alternatives = tuple((int(i), _floored(float(row[i] - peak) - log_total)) for i in ids)
-        out.append(Logprob(_floored(float(row[token] - peak) - log_total), alternatives))
-    return out
+def token_logprob(logits: torch.Tensor, token: int, top: int = 0) -> Logprob:
+    """One row's log-softmax at `token`, and its `top` most likely ids (ties: the lower id
+    first). The row of logits as the model gave it: the target's own distribution, before
+    temperature, top-k and top-p. The sum over the row is in float64; a row depends on nothing
+    but its logits, so a kept draft, whose row comes from a verification pass, reports what a
+    plain step reports wherever the two passes' logits agree."""
+    row = np.asarray(logits.detach().float().cpu()).reshape(-1)
+    top = min(top, row.size)
+    peak = row.max()
+    log_total = math.log(np.exp(row - peak).sum(dtype=np.float64))
+    ids = np.argpartition(row, -top)[-top:] if top else np.empty(0, dtype=np.int64)
+    ids = ids[np.lexsort((ids, -row[ids]))]
+    alternatives = tuple((int(i), _floored(float(row[i] - peak) - log_total)) for i in ids)
+    return Logprob(_floored(float(row[token] - peak) - log_total), alternatives)
 
 
 def _floored(logprob: float) -> float:

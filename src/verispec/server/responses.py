@@ -78,12 +78,15 @@ class LogprobsShape:
             return {"content": [self._chat_entry(i, lp) for i, lp in zip(ids, logprobs)], "refusal": None}
         out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token_id, lp in zip(ids, logprobs):
-            out["tokens"].append(self._text(token_id))
+            raw = self.tokenizer.token_bytes(token_id)
+            text = _as_text(raw)
+            out["tokens"].append(text)
             out["token_logprobs"].append(lp.logprob)
             # vLLM's shape: the alternatives and the token itself
-            out["top_logprobs"].append({**{self._text(i): v for i, v in lp.top}, self._text(token_id): lp.logprob})
+            out["top_logprobs"].append({**{_as_text(self.tokenizer.token_bytes(i)): v for i, v in lp.top},
+                                        text: lp.logprob})
             out["text_offset"].append(self.offset)
-            self.offset += len(self.decoder.decode(self.tokenizer.token_bytes(token_id)))
+            self.offset += len(self.decoder.decode(raw))
         return out
 
     def _chat_entry(self, token_id: int, lp: Logprob) -> dict[str, Any]:
@@ -93,10 +96,12 @@ class LogprobsShape:
 
     def _alternative(self, token_id: int, logprob: float) -> dict[str, Any]:
         raw = self.tokenizer.token_bytes(token_id)
-        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+        return {"token": _as_text(raw), "logprob": logprob, "bytes": list(raw)}
 
-    def _text(self, token_id: int) -> str:
-        return self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+def _as_text(raw: bytes) -> str:
+    """A token's bytes as text; part of a character reads as U+FFFD."""
+    return raw.decode("utf-8", errors="replace")
 
 
 @dataclass
