@@ -9,12 +9,10 @@ import pytest
 import torch
 
 import tiny
-from verispec.config import ModelConfig
 from verispec.errors import TokenizerMismatchError, VerispecError
 from verispec.events import Token
 from verispec.generate import generate, stream
-from verispec.loading import LoadedModel, load_model
-from verispec.models.dense import CausalLM
+from verispec.loading import load_model
 from verispec.sampling import greedy_token, greedy_tokens
 from verispec.spec.prompt_lookup import PromptLookupProposer
 
@@ -149,36 +147,6 @@ def test_padded_draft_vocabulary_is_accepted(tmp_path, target, baseline):
 
 # ------------------------------------------------------------------ sampling is lossless
 
-def tiny_lm(vocab: int, seed: int) -> LoadedModel:
-    config = ModelConfig(model_type="qwen2", vocab_size=vocab, hidden_size=16, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, intermediate_size=32,
-                         max_position_embeddings=64)
-    torch.manual_seed(seed)
-    model = CausalLM(config)
-    tiny.randomize(model, seed, scale=0.25)
-    model.eval()
-    from verispec.loading.tokenizer import Tokenizer
-    tokenizer = Tokenizer(tiny.tiny_tokenizer(), eos_ids=set())
-    return LoadedModel("tiny", None, model, tokenizer, config, 0.0, torch.float32, torch.device("cpu"))
-
-
-def exact_distribution(model: LoadedModel, prompt: list[int], steps: int, params) -> dict[tuple, float]:
-    """P(first `steps` tokens) under plain sampling, by enumeration."""
-    from verispec.sampling import probabilities
-    dist = {(): 1.0}
-    for _ in range(steps):
-        grown = {}
-        for prefix, p in dist.items():
-            with torch.no_grad():
-                logits = model.model(torch.tensor([prompt + list(prefix)]), model.model.new_cache(16))[0, -1]
-            probs = probabilities(logits, params)
-            for token, q in enumerate(probs.tolist()):
-                if q > 0:
-                    grown[prefix + (token,)] = p * q
-        dist = grown
-    return dist
-
-
 def test_greedy_tokens_are_torch_argmax_including_ties():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 1000, generator=gen)
@@ -198,9 +166,9 @@ def test_speculative_sampling_follows_the_target_distribution():
 
     from verispec.sampling import SamplingParams
     options = dict(temperature=0.9, top_k=5, top_p=0.97)  # every warp, on both models
-    target, draft = tiny_lm(6, seed=10), tiny_lm(6, seed=11)
+    target, draft = tiny.tiny_lm(6, seed=10), tiny.tiny_lm(6, seed=11)
     prompt = [1, 2, 3]
-    exact = exact_distribution(target, prompt, 3, SamplingParams(**options))
+    exact = tiny.exact_distribution(target, prompt, 3, SamplingParams(**options))
     counts = dict.fromkeys(exact, 0)
     samples = 20_000
     generator_seed = 1234
@@ -223,9 +191,9 @@ def test_speculative_sampling_with_a_limited_draft_vocabulary_follows_the_target
 
     from verispec.sampling import SamplingParams
     from verispec.spec.draft_model import DraftModelProposer
-    target, draft = tiny_lm(6, seed=10), tiny_lm(6, seed=11)
+    target, draft = tiny.tiny_lm(6, seed=10), tiny.tiny_lm(6, seed=11)
     prompt = [1, 5, 4]  # ids whose logits' columns (2, 3) are not their own
-    exact = exact_distribution(target, prompt, 3, SamplingParams(temperature=0.9))
+    exact = tiny.exact_distribution(target, prompt, 3, SamplingParams(temperature=0.9))
     counts = dict.fromkeys(exact, 0)
     samples = 8_000
     for i in range(samples):

@@ -186,3 +186,40 @@ def load_as(folder: Path, fmt: str):
     from verispec.loading import load_model
 
     return load_model(folder, "bfloat16" if fmt == "bfloat16" else "float32", weights=fmt)
+
+
+def tiny_lm(vocab: int, seed: int):
+    """A one-layer Qwen2-shaped LoadedModel over `vocab` ids, small enough to enumerate its
+    distribution over a few tokens (`exact_distribution`)."""
+    from verispec.config import ModelConfig
+    from verispec.loading import LoadedModel
+    from verispec.loading.tokenizer import Tokenizer
+    from verispec.models.dense import CausalLM
+
+    config = ModelConfig(model_type="qwen2", vocab_size=vocab, hidden_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, intermediate_size=32,
+                         max_position_embeddings=64)
+    torch.manual_seed(seed)
+    model = CausalLM(config)
+    randomize(model, seed, scale=0.25)
+    model.eval()
+    tokenizer = Tokenizer(tiny_tokenizer(), eos_ids=set())
+    return LoadedModel("tiny", None, model, tokenizer, config, 0.0, torch.float32, torch.device("cpu"))
+
+
+def exact_distribution(model, prompt: list[int], steps: int, params) -> dict[tuple, float]:
+    """P(first `steps` tokens) under plain sampling, by enumeration."""
+    from verispec.sampling import probabilities
+
+    dist = {(): 1.0}
+    for _ in range(steps):
+        grown = {}
+        for prefix, p in dist.items():
+            with torch.no_grad():
+                logits = model.model(torch.tensor([prompt + list(prefix)]), model.model.new_cache(16))[0, -1]
+            probs = probabilities(logits, params)
+            for token, q in enumerate(probs.tolist()):
+                if q > 0:
+                    grown[prefix + (token,)] = p * q
+        dist = grown
+    return dist
