@@ -761,6 +761,20 @@ def test_generate_json_carries_logprobs_when_asked(models, capsys):
     assert code == 1 and "--logprobs takes 0 to 20" in out
 
 
+def test_generate_scores_a_prompt_with_no_tokens(models, capsys):
+    argv = ["generate", "--model", models / "target", "-n", "0", "the cat sat"]
+    code, out = run_cli(capsys, *argv[:-1], "--json", "--prompt-logprobs", "1", argv[-1])
+    assert code == 0
+    result = json.loads(out)
+    scored = result["prompt_logprobs"]
+    assert result["token_ids"] == [] and len(scored) == result["prompt_tokens"] > 2
+    assert scored[0] is None and all(lp["logprob"] <= 0 and len(lp["top"]) == 1 for lp in scored[1:])
+    code, out = run_cli(capsys, *argv)
+    assert code == 1 and "--max-tokens 0 generates nothing" in out
+    code, out = run_cli(capsys, *argv[:-1], "--prompt-logprobs", "1", argv[-1])
+    assert code == 1 and "--prompt-logprobs is reported in the JSON output: add --json" in out
+
+
 def test_generate_no_lookup_keeps_adaptive_rounds_to_the_draft_model(models, capsys):
     """--adaptive with a draft model sends prompt lookup's drafts where a repeating text has
     them; --no-lookup leaves them out. The tokens are the same either way."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -9,7 +10,8 @@ import torch
 
 import tiny
 from verispec.errors import VerispecError
-from verispec.events import Finished, Token
+from verispec.events import Finished, Prompt, Token
+from verispec import generate as generate_module
 from verispec.generate import generate, stream
 from verispec.loading.tokenizer import Tokenizer
 
@@ -78,9 +80,58 @@ def test_without_logprobs_nothing_is_computed(target):
 
 
 @pytest.mark.parametrize("logprobs", [-1, 21, 1.5, "3"])
-def test_bad_logprobs_are_refused(target, logprobs):
-    with pytest.raises(VerispecError, match="logprobs must be a whole number from 0 to 20"):
-        generate(target, PROMPT, max_tokens=2, logprobs=logprobs)
+@pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
+def test_bad_logprobs_are_refused(target, logprobs, name):
+    with pytest.raises(VerispecError, match=f"{name} must be a whole number from 0 to 20"):
+        generate(target, PROMPT, max_tokens=2, **{name: logprobs})
+
+
+@pytest.fixture
+def small_prompt_chunks(monkeypatch):
+    """Prompt log-probabilities read 4 positions a pass, so a short prompt takes several."""
+    monkeypatch.setattr(generate_module, "PROMPT_CHUNK", 4)
+
+
+def test_prompt_logprobs_are_the_targets_log_softmax(target, small_prompt_chunks):
+    events = list(stream(target, PROMPT, max_tokens=5, ignore_eos=True, prompt_logprobs=3))
+    prompt_ids = target.tokenizer.encode(PROMPT)
+    assert len(prompt_ids) > 3 * 4
+    assert isinstance(events[0], Prompt) and events[0].token_ids == prompt_ids
+    scored = events[0].logprobs
+    assert len(scored) == len(prompt_ids) and scored[0] is None  # nothing comes before the first token
+    reference = whole_text_log_softmax(target, prompt_ids)
+    for i in range(1, len(prompt_ids)):
+        row = reference[i - 1]
+        assert scored[i].logprob == pytest.approx(float(row[prompt_ids[i]]), abs=1e-4)
+        assert [j for j, _ in scored[i].top] == torch.topk(row, 3).indices.tolist()
+    result = events[-1].result
+    assert result.prompt_logprobs == scored
+    assert result.to_dict()["prompt_logprobs"][:2] == [None, scored[1].to_dict()]
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "int4", "plain PyTorch"])
+def test_scoring_the_prompt_leaves_the_answer_alone(tmp_path, small_prompt_chunks, fmt):
+    """Read in chunks, the prompt gives the cache and the first logits the one-pass prefill gives."""
+    from verispec.kernels import switched_off
+
+    tiny.save_hf_model(tmp_path, "qwen2", seed=1)
+    model = tiny.load_as(tmp_path, "float32" if fmt == "plain PyTorch" else fmt)
+    with switched_off() if fmt == "plain PyTorch" else contextlib.nullcontext():
+        plain = generate(model, PROMPT, max_tokens=20, ignore_eos=True, logprobs=2)
+        scored = generate(model, PROMPT, max_tokens=20, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    assert scored.token_ids == plain.token_ids
+    if fmt != "plain PyTorch":  # the kernels' rows do not depend on how many a pass holds
+        assert scored.logprobs == plain.logprobs
+    assert len(scored.prompt_logprobs) == scored.prompt_tokens
+
+
+def test_no_tokens_asked_for_scores_the_prompt_alone(target, unrelated):
+    events = list(stream(target, PROMPT, draft=unrelated, max_tokens=0, prompt_logprobs=0))
+    assert [type(e) for e in events] == [Prompt, Finished]
+    result = events[-1].result
+    assert result.token_ids == [] and result.text == "" and result.finish_reason == "length"
+    assert result.spec.plain == 0 and result.spec.drafted == 0
+    assert all(lp.top == () for lp in events[0].logprobs[1:])
 
 
 def test_a_byte_level_tokens_bytes_join_into_the_texts_bytes():

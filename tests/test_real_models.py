@@ -81,6 +81,20 @@ def test_real_pair_logprobs_of_kept_drafts_are_plain_decodings(real_pair):
     assert speculative.logprobs == plain.logprobs
 
 
+def test_real_target_scores_its_answer_as_it_reported_it(real_pair, monkeypatch):
+    """Scoring prompt + answer (an evaluation harness's log-likelihood) gives, read in chunks of
+    16 positions, the log-probabilities that generating the answer reported, bit for bit."""
+    from verispec import generate as generate_module
+
+    monkeypatch.setattr(generate_module, "PROMPT_CHUNK", 16)
+    target, _ = real_pair
+    ids = target.tokenizer.encode_chat([{"role": "user", "content": PROMPTS[1]}])
+    answer = generate(target, ids, max_tokens=24, ignore_eos=True, logprobs=2)
+    scored = generate(target, ids + answer.token_ids, max_tokens=0, prompt_logprobs=2)
+    assert len(ids) > 16 and scored.token_ids == []
+    assert scored.prompt_logprobs[len(ids):] == answer.logprobs
+
+
 @pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "smollm2-135m"])
 def test_streamed_text_is_the_whole_outputs_text_with_real_tokenizers(name):
     """Token by token, TextAssembler hands out exactly what decoding the whole output gives,

@@ -247,6 +247,52 @@ def test_completion_logprobs_in_the_legacy_shape(client, spec_client, target):
     assert speculative["logprobs"]["token_logprobs"] == pytest.approx(logprobs["token_logprobs"], abs=1e-5)
 
 
+def test_echo_scores_the_prompt_as_generate_does(client, target):
+    """echo with logprobs: the prompt's tokens first (the first without a log-probability), as
+    evaluation harnesses read a text's log-likelihood."""
+    request = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "echo": True,
+               "logprobs": 2}
+    [choice] = client.post("/v1/completions", json=request).json()["choices"]
+    expected = generate(target, PROMPT, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    assert choice["text"] == PROMPT + expected.text
+    logprobs = choice["logprobs"]
+    prompt_ids = target.tokenizer.encode(PROMPT)
+    assert logprobs["tokens"] == [target.tokenizer.token_bytes(i).decode(errors="replace")
+                                  for i in prompt_ids + expected.token_ids]
+    values = expected.prompt_logprobs[1:] + expected.logprobs
+    assert logprobs["token_logprobs"] == [None] + [lp.logprob for lp in values]
+    assert logprobs["top_logprobs"][0] is None and len(logprobs["top_logprobs"][1]) in (2, 3)
+    assert logprobs["text_offset"][0] == 0 and logprobs["text_offset"][len(prompt_ids)] == len(PROMPT)
+    streamed = sse_payloads(client.post("/v1/completions", json={**request, "stream": True}))[:-1]
+    assert streamed[0]["choices"][0]["text"] == PROMPT
+    assert "".join(c["choices"][0]["text"] for c in streamed) == choice["text"]
+    parts = [c["choices"][0]["logprobs"] for c in streamed if c["choices"][0]["logprobs"] is not None]
+    assert {key: [v for part in parts for v in part[key]] for key in logprobs} == logprobs
+
+
+def test_echo_with_no_tokens_scores_the_prompt_alone(client, spec_client, target):
+    ids = target.tokenizer.encode(PROMPT)
+    request = {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0}
+    body = client.post("/v1/completions", json=request).json()
+    [choice] = body["choices"]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    assert len(choice["logprobs"]["tokens"]) == len(ids) and choice["logprobs"]["token_logprobs"][0] is None
+    assert all(value < 0 for value in choice["logprobs"]["token_logprobs"][1:])
+    [speculative] = spec_client.post("/v1/completions", json=request).json()["choices"]
+    assert speculative["logprobs"] == choice["logprobs"]
+
+
+def test_echo_without_logprobs_sends_the_prompt_first(client):
+    request = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    plain = client.post("/v1/completions", json=request).json()["choices"][0]
+    [echoed] = client.post("/v1/completions", json={**request, "echo": True}).json()["choices"]
+    assert echoed["text"] == PROMPT + plain["text"] and echoed["logprobs"] is None
+    streamed = sse_payloads(client.post("/v1/completions", json={**request, "echo": True, "stream": True}))[:-1]
+    assert streamed[0]["choices"][0]["text"] == PROMPT
+    assert "".join(c["choices"][0]["text"] for c in streamed) == echoed["text"]
+
+
 def test_text_offsets_count_characters_not_bytes(target):
     from verispec.events import Logprob
     from verispec.server.responses import LogprobsShape
@@ -378,8 +424,8 @@ def assert_error(response, status: int, *fragments: str) -> dict:
 
 @pytest.mark.parametrize("body,fragments,param", [
     ({"max_tokens": 4}, ["missing", "prompt"], "prompt"),
-    ({"prompt": PROMPT, "max_tokens": -1}, ["max_tokens", "greater than or equal to 1"], "max_tokens"),
-    ({"prompt": PROMPT, "max_tokens": 0}, ["max_tokens"], "max_tokens"),
+    ({"prompt": PROMPT, "max_tokens": -1}, ["max_tokens", "greater than or equal to 0"], "max_tokens"),
+    ({"prompt": PROMPT, "max_tokens": 0}, ["max_tokens=0 decodes nothing", "echo: true"], None),
     ({"prompt": PROMPT, "temperature": 2.5}, ["temperature", "less than or equal to 2"], "temperature"),
     ({"prompt": PROMPT, "temperature": -0.1}, ["temperature"], "temperature"),
     ({"prompt": PROMPT, "top_p": 0}, ["top_p", "greater than 0"], "top_p"),
@@ -387,7 +433,7 @@ def assert_error(response, status: int, *fragments: str) -> dict:
     ({"prompt": PROMPT, "seed": 99999999999999999999999}, ["seed", "less than or equal to 18446744073709551615"],
      "seed"),
     ({"prompt": PROMPT, "seed": -(2**63) - 1}, ["seed", "greater than or equal to -9223372036854775808"], "seed"),
-    ({"prompt": PROMPT, "echo": True}, ["echo", "not supported"], None),
+    ({"prompt": PROMPT, "echo": "maybe"}, ["echo", "boolean"], "echo"),
     ({"prompt": PROMPT, "logprobs": 21}, ["logprobs", "less than or equal to 20"], "logprobs"),
     ({"prompt": PROMPT, "logprobs": -1}, ["logprobs", "greater than or equal to 0"], "logprobs"),
     ({"prompt": PROMPT, "logprobs": True}, ["logprobs takes the number of likeliest ids", "not true"], "logprobs"),
@@ -461,6 +507,7 @@ def test_prompt_longer_than_the_context(client):
     ({"messages": MESSAGES, "top_logprobs": 3}, ["top_logprobs needs logprobs: true"]),
     ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, ["top_logprobs", "less than or equal to 20"]),
     ({"messages": MESSAGES, "logprobs": "sure"}, ["logprobs", "boolean"]),
+    ({"messages": MESSAGES, "echo": True}, ["echo", "not supported"]),
 ])
 def test_bad_chat_requests(client, body, fragments):
     assert_error(client.post("/v1/chat/completions", json=body), 400, *fragments)

@@ -1,7 +1,8 @@
 """The one stream of events that baseline and speculative decoding produce.
 
 The CLI, the server and the lab all consume it: `Token` for every emitted token,
-then one `Finished` with the whole result, timings and statistics.
+then one `Finished` with the whole result, timings and statistics. A request that
+asks for the prompt's log-probabilities gets a `Prompt` first, once the prompt is read.
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ class Logprob:
 
     def to_dict(self) -> dict:
         return {"logprob": self.logprob, "top": [list(pair) for pair in self.top]}
+
+
+@dataclass(slots=True)
+class Prompt:
+    """The prompt as the target read it: its token ids, and each one's log-probability given
+    the tokens before it (None for the first, which has nothing before it)."""
+
+    token_ids: list[int]
+    logprobs: list[Logprob | None]
 
 
 @dataclass(slots=True)
@@ -109,6 +119,7 @@ class GenerationResult:
     timings: Timings
     spec: SpecStats | None = None  # None for baseline decoding
     logprobs: list[Logprob] | None = None  # one per token id, when asked for
+    prompt_logprobs: list[Logprob | None] | None = None  # one per prompt token (see Prompt), when asked for
 
     def to_dict(self) -> dict:
         out = {
@@ -123,6 +134,8 @@ class GenerationResult:
             out["spec"] = self.spec.to_dict()
         if self.logprobs is not None:
             out["logprobs"] = [lp.to_dict() for lp in self.logprobs]
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = [lp.to_dict() if lp is not None else None for lp in self.prompt_logprobs]
         return out
 
 
@@ -132,4 +145,4 @@ class Finished:
     tail: str = ""  # text held back while it could have begun a stop string, never streamed
 
 
-Event = Token | Finished
+Event = Prompt | Token | Finished

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from verispec.errors import ContextOverflowError, VerispecError
-from verispec.events import MAX_TOP_LOGPROBS, Event, Finished, GenerationResult, Logprob, SpecStats, Timings, Token
+from verispec.events import (MAX_TOP_LOGPROBS, Event, Finished, GenerationResult, Logprob, Prompt, SpecStats, Timings,
+                             Token)
 from verispec.sampling import SamplingParams, next_token, token_logprob
 from verispec.spec.gamma import make_policy
 from verispec.spec.prompt_lookup import PromptLookupProposer
@@ -39,6 +40,9 @@ READY_LAG = 32
 # costs: summarization 3-4% faster than with 3 first, reasoning up to 3.5%, every other
 # category within 0.5%; benchmarks/policy_replay.py --variants current ngram-3).
 LOOKUP_NGRAM = (5, 2)
+# Positions per prefill pass when every prompt position's logits are kept (prompt
+# log-probabilities): a long prompt then holds [PROMPT_CHUNK, vocab] floats at a time, not [T, vocab].
+PROMPT_CHUNK = 128
 
 
 def policy_lookup() -> PromptLookupProposer:
@@ -195,25 +199,28 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
            stop: str | Sequence[str] | None = (),
            chat: bool = False, ignore_eos: bool = False, ngram: tuple[int, int] = (3, 1),
            draft_vocab: int | str | None = "auto", lookup: bool = True,
-           logprobs: int | None = None) -> Iterator[Event]:
+           logprobs: int | None = None, prompt_logprobs: int | None = None) -> Iterator[Event]:
     """Decode from `target` (a LoadedModel); with `draft`, speculatively. Yields Token events, then Finished.
     With `logprobs` (0 to MAX_TOP_LOGPROBS), every token carries the target's log-probability
-    of it and of its `logprobs` most likely alternatives (`token_logprob`).
+    of it and of its `logprobs` most likely alternatives (`token_logprob`); with
+    `prompt_logprobs`, a Prompt event first gives the same for every prompt token, given the
+    tokens before it (what scoring a text needs; `max_tokens=0` then decodes nothing).
     A draft model proposes only the first `draft_vocab` token ids and the context's; "auto"
     (the default) limits a vocabulary of more than 65,536 ids to the first 32,768, None keeps
     all (`draft_vocab_limit`). With
     `adaptive` (cost-aware) and a draft model, rounds may send prompt lookup's drafts in the
     draft model's place where that promises more; `lookup=False` keeps to the draft model."""
-    if not is_whole(max_tokens, 1):
-        raise VerispecError(f"max tokens must be a whole number >= 1, got {max_tokens!r}")
+    if not is_whole(max_tokens, 0):
+        raise VerispecError(f"max tokens must be a whole number >= 0, got {max_tokens!r}")
     if not is_whole(gamma, 0, MAX_GAMMA):
         raise VerispecError(f"gamma must be a whole number from 0 to {MAX_GAMMA}, got {gamma!r}")
     if draft_vocab not in (None, "auto") and not is_whole(draft_vocab, 1):
         raise VerispecError(f"the draft vocabulary must be a whole number >= 1, 'auto' or None (all of it), "
                             f"got {draft_vocab!r}")
-    if logprobs is not None and not is_whole(logprobs, 0, MAX_TOP_LOGPROBS):
-        raise VerispecError(f"logprobs must be a whole number from 0 to {MAX_TOP_LOGPROBS} (the alternatives "
-                            f"per token) or None, got {logprobs!r}")
+    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if value is not None and not is_whole(value, 0, MAX_TOP_LOGPROBS):
+            raise VerispecError(f"{name} must be a whole number from 0 to {MAX_TOP_LOGPROBS} (the alternatives "
+                                f"per token) or None, got {value!r}")
     params = SamplingParams(temperature, top_k, top_p, seed)
     stop = _stop_strings(stop)
     generator = params.generator() if not params.greedy else None
@@ -271,14 +278,19 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     # prefill: the first token is the target's own (a round with no drafts)
     started = time.perf_counter()
     cache = model.new_cache(max_len)
-    logits = model(torch.tensor([prompt_ids], device=device), cache, last_only=True)[0, -1]
+    logits, scored_prompt = _prefill(model, prompt_ids, cache, device, prompt_logprobs)
     first = next_token(logits, params, generator)
     prefill_s = time.perf_counter() - started
     stats.rounds, stats.plain = 1, 1
     stats.gammas.append(0)
     context = [*prompt_ids, first]
-    yield from emit([first], ["target"], 0, logits[None])
-    if finish == "eos":
+    if scored_prompt is not None:
+        yield Prompt(list(prompt_ids), scored_prompt)
+    if max_tokens == 0:
+        finish = "length"
+    else:
+        yield from emit([first], ["target"], 0, logits[None])
+    if not out_ids:  # the first token was the end of text, or none was asked for
         stats.plain = 0
     decode_started = time.perf_counter()
     lazy = bool(adaptive) and hasattr(proposer, "catch_up")
@@ -342,8 +354,25 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
                       (len(out_ids) - 1) / decode_s if decode_s > 0 and len(out_ids) > 1 else 0.0)
     tail = text.flush()
     result = GenerationResult(text.text, out_ids, origins, len(prompt_ids), finish, timings,
-                              stats if proposer is not None else None, out_logprobs)
+                              stats if proposer is not None else None, out_logprobs, scored_prompt)
     yield Finished(result, tail=tail)
+
+
+def _prefill(model, prompt_ids: list[int], cache, device: torch.device, top: int | None
+             ) -> tuple[torch.Tensor, list[Logprob | None] | None]:
+    """The target reads the prompt: the last position's logits, and with `top` (not None)
+    every prompt token's log-probability given those before it (None for the first) with its
+    `top` likeliest alternatives. Those are read PROMPT_CHUNK positions a pass; each position's
+    logits are a function of the cache before it, so the chunks give the one-pass bits."""
+    if top is None:
+        return model(torch.tensor([prompt_ids], device=device), cache, last_only=True)[0, -1], None
+    scored: list[Logprob | None] = [None]
+    for start in range(0, len(prompt_ids), PROMPT_CHUNK):
+        chunk = prompt_ids[start:start + PROMPT_CHUNK]
+        logits = model(torch.tensor([chunk], device=device), cache)[0]
+        following = prompt_ids[start + 1:start + 1 + len(chunk)]  # row i predicts the token after it
+        scored.extend(token_logprob(row, token, top) for row, token in zip(logits, following))
+    return logits[-1], scored
 
 
 def _look_up(lookup: PromptLookupProposer, policy, context: list[int], gamma: int, room: int) -> list[int]:

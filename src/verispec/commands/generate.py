@@ -6,7 +6,7 @@ import json
 import sys
 
 from verispec.commands.options import (add_draft_vocab_option, add_model_options, load_target_and_draft, non_negative_float,
-                                       non_negative_int, positive_int, probability)
+                                       non_negative_int, probability)
 from verispec.events import MAX_TOP_LOGPROBS
 
 # how --show colours each token by origin (the seed's figure: kept drafts purple)
@@ -19,7 +19,8 @@ def register(sub) -> None:
     add_draft_vocab_option(parser)
     parser.add_argument("prompt", help="the prompt text ('-' reads standard input)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    parser.add_argument("--max-tokens", "-n", type=positive_int, default=128)
+    parser.add_argument("--max-tokens", "-n", type=non_negative_int, default=128,
+                        help="tokens to generate (0 with --prompt-logprobs: score the prompt alone)")
     parser.add_argument("--temperature", "-t", type=non_negative_float, default=0.0,
                         help="0 (default) decodes greedily")
     parser.add_argument("--top-k", type=non_negative_int, default=0)
@@ -31,6 +32,8 @@ def register(sub) -> None:
     parser.add_argument("--logprobs", type=non_negative_int, default=None, metavar="N",
                         help="with --json: each token's log-probability under the target and its N most "
                              f"likely alternatives (0 to {MAX_TOP_LOGPROBS})")
+    parser.add_argument("--prompt-logprobs", type=non_negative_int, default=None, metavar="N",
+                        help="with --json: the same for every prompt token, given the tokens before it")
     parser.add_argument("--show", action="store_true",
                         help="colour tokens by origin (kept draft, recovered, bonus) and print the statistics")
     parser.set_defaults(func=run)
@@ -40,20 +43,23 @@ def run(args) -> int:
     from rich.console import Console
 
     from verispec.errors import VerispecError
-    from verispec.events import Finished
+    from verispec.events import Finished, Token
     from verispec.generate import stream
 
-    if args.logprobs is not None and not args.json:
-        raise VerispecError("--logprobs is reported in the JSON output: add --json")
-    if args.logprobs is not None and args.logprobs > MAX_TOP_LOGPROBS:
-        raise VerispecError(f"--logprobs takes 0 to {MAX_TOP_LOGPROBS} alternatives per token, got {args.logprobs}")
+    for flag, value in (("--logprobs", args.logprobs), ("--prompt-logprobs", args.prompt_logprobs)):
+        if value is not None and not args.json:
+            raise VerispecError(f"{flag} is reported in the JSON output: add --json")
+        if value is not None and value > MAX_TOP_LOGPROBS:
+            raise VerispecError(f"{flag} takes 0 to {MAX_TOP_LOGPROBS} alternatives per token, got {value}")
+    if args.max_tokens == 0 and args.prompt_logprobs is None:
+        raise VerispecError("--max-tokens 0 generates nothing; it is for scoring a prompt with --prompt-logprobs")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     target, draft = load_target_and_draft(args)
     events = stream(target, prompt, draft=draft, gamma=args.gamma, adaptive=args.adaptive,
                     max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat,
                     ignore_eos=args.ignore_eos, ngram=tuple(args.ngram), draft_vocab=args.draft_vocab,
-                    lookup=not args.no_lookup, logprobs=args.logprobs)
+                    lookup=not args.no_lookup, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
     console = Console(highlight=False)
     result = None
     for event in events:
@@ -61,7 +67,7 @@ def run(args) -> int:
             result = event.result
             if not args.json:
                 console.print(event.tail, end="", markup=False)
-        elif not args.json:
+        elif isinstance(event, Token) and not args.json:
             style = ORIGIN_STYLE[event.origin] if args.show else None
             console.print(event.text, end="", style=style, markup=False, soft_wrap=True)
             sys.stdout.flush()

@@ -27,10 +27,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.errors import ContextOverflowError, VerispecError
-from verispec.events import Event, Finished, GenerationResult, Logprob
+from verispec.events import Event, Finished, GenerationResult, Logprob, Prompt, Token
 from verispec.generate import MAX_GAMMA, make_proposer, stream
 from verispec.server.metrics import ServerMetrics
-from verispec.server.responses import FINISH_REASONS, LogprobsShape, ResponseShape, error_body, sse
+from verispec.server.responses import FINISH_REASONS, Echo, LogprobsShape, ResponseShape, error_body, sse
 from verispec.server.schemas import EXPECTED_SHAPES, ChatCompletionRequest, CompletionRequest, DecodingRequest
 
 log = logging.getLogger("verispec.server")
@@ -45,6 +45,7 @@ class Job:
 
     prompt_ids: list[int]
     options: dict[str, Any]
+    echo: Echo | None = None  # the prompt, to answer before the completion
 
 
 class Engine:
@@ -77,8 +78,14 @@ class Engine:
             prompt_ids = self.target.tokenizer.encode(prompt)
         else:
             prompt_ids = self._checked_ids(prompt)
-        max_tokens = request.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
-        return self._job(prompt_ids, max_tokens, request)
+        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if request.max_tokens is None else request.max_tokens
+        job = self._job(prompt_ids, max_tokens, request)
+        if request.echo:  # ids are echoed with their special tokens, as their log-probabilities list them
+            tokenizer = self.target.tokenizer
+            text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids, skip_special_tokens=False)
+            job.echo = Echo(text, prompt_ids)
+            job.options["prompt_logprobs"] = request.logprobs
+        return job
 
     def chat_job(self, request: ChatCompletionRequest) -> Job:
         tokenizer = self.target.tokenizer
@@ -155,7 +162,7 @@ class Engine:
                     if isinstance(event, Finished):
                         finished = True
                         self._record(event.result)
-                    else:
+                    elif isinstance(event, Token):
                         generated += 1
                     yield event
             finally:
@@ -215,7 +222,7 @@ def create_app(target, draft=None, gamma: int = 4, adaptive: bool | str = False,
 
 async def _answer(engine: Engine, job: Job, request: DecodingRequest, chat: bool) -> Response:
     logprobs = LogprobsShape(engine.target.tokenizer, chat) if request.alternatives is not None else None
-    shape = ResponseShape(engine.name, chat, engine.draft_name, logprobs)
+    shape = ResponseShape(engine.name, chat, engine.draft_name, logprobs, job.echo)
     if request.stream:
         return StreamingResponse(_sse_stream(engine, job, shape, request.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -226,9 +233,14 @@ async def _answer(engine: Engine, job: Job, request: DecodingRequest, chat: bool
 async def _sse_stream(engine: Engine, job: Job, shape: ResponseShape, include_usage: bool) -> AsyncIterator[str]:
     if shape.chat:
         yield sse(shape.chunk("", role=True))
+    if shape.echo is not None and shape.logprobs is None:
+        yield sse(shape.chunk(shape.echo.text))
     unsent: list[tuple[int, Logprob]] = []  # log-probabilities of tokens whose text is not sent yet
     try:
         async for event in engine.events(job):
+            if isinstance(event, Prompt):  # echo with log-probabilities: the prompt's come first
+                yield sse(shape.chunk(shape.echo.text, tokens=list(zip(event.token_ids, event.logprobs))))
+                continue
             if isinstance(event, Finished):
                 yield sse(shape.final_chunk(event.result, event.tail, unsent))
                 if include_usage:

@@ -62,6 +62,15 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
+@dataclass(frozen=True)
+class Echo:
+    """A completion's prompt, answered before its text (`echo`): the text as sent (or decoded
+    from the ids sent) and its token ids."""
+
+    text: str
+    ids: list[int]
+
+
 class LogprobsShape:
     """Log-probabilities in OpenAI's shapes: chat's `content` list (token, logprob, bytes,
     top_logprobs), or the completions API's parallel lists (tokens, token_logprobs,
@@ -72,8 +81,9 @@ class LogprobsShape:
         self.offset = 0  # characters of the completion before the next token
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def body(self, ids: Sequence[int], logprobs: Sequence[Logprob]) -> dict[str, Any]:
-        """The entries of these consecutive tokens."""
+    def body(self, ids: Sequence[int], logprobs: Sequence[Logprob | None]) -> dict[str, Any]:
+        """The entries of these consecutive tokens; None for a prompt's first token, which has
+        no log-probability (completions only)."""
         if self.chat:
             return {"content": [self._chat_entry(i, lp) for i, lp in zip(ids, logprobs)], "refusal": None}
         out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -81,10 +91,10 @@ class LogprobsShape:
             raw = self.tokenizer.token_bytes(token_id)
             text = _as_text(raw)
             out["tokens"].append(text)
-            out["token_logprobs"].append(lp.logprob)
+            out["token_logprobs"].append(None if lp is None else lp.logprob)
             # vLLM's shape: the alternatives and the token itself
-            out["top_logprobs"].append({**{_as_text(self.tokenizer.token_bytes(i)): v for i, v in lp.top},
-                                        text: lp.logprob})
+            out["top_logprobs"].append(None if lp is None else {
+                **{_as_text(self.tokenizer.token_bytes(i)): v for i, v in lp.top}, text: lp.logprob})
             out["text_offset"].append(self.offset)
             self.offset += len(self.decoder.decode(raw))
         return out
@@ -112,6 +122,7 @@ class ResponseShape:
     chat: bool
     draft: str | None = None
     logprobs: LogprobsShape | None = None  # when the request asks for log-probabilities
+    echo: Echo | None = None  # when a completion asks for its prompt before its text
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -126,10 +137,13 @@ class ResponseShape:
         if self.chat:
             choice["message"] = {"role": "assistant", "content": result.text}
         else:
-            choice["text"] = result.text
+            choice["text"] = (self.echo.text if self.echo else "") + result.text
         logprobs = None
         if self.logprobs is not None and result.logprobs is not None:
-            logprobs = self.logprobs.body(result.token_ids, result.logprobs)
+            ids, values = result.token_ids, result.logprobs
+            if self.echo is not None and result.prompt_logprobs is not None:
+                ids, values = [*self.echo.ids, *ids], [*result.prompt_logprobs, *values]
+            logprobs = self.logprobs.body(ids, values)
         choice.update(logprobs=logprobs, finish_reason=FINISH_REASONS[result.finish_reason])
         body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
         body["usage"] = usage(result)
@@ -137,7 +151,7 @@ class ResponseShape:
         return body
 
     def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
-              tokens: Sequence[tuple[int, Logprob]] = ()) -> dict[str, Any]:
+              tokens: Sequence[tuple[int, Logprob | None]] = ()) -> dict[str, Any]:
         """A streamed piece: a delta for chat, a text piece for completions; with the
         log-probabilities of `tokens` (id, logprob), those whose text it carries."""
         choice: dict[str, Any] = {"index": 0}

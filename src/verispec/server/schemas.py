@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible API, validated by pydantic.
 
 Unknown fields are ignored, as OpenAI's own clients send many. Fields that
-would change the answer in ways verispec does not implement (n > 1, echo,
-penalties, tools, ...) are refused with a clear message rather than silently
+would change the answer in ways verispec does not implement (n > 1, echo on
+chat, penalties, tools, ...) are refused with a clear message rather than silently
 dropped; their neutral values (null, 0, false, 1, the default) are accepted.
 """
 
@@ -93,6 +93,15 @@ class CompletionRequest(DecodingRequest):
     # text, token ids, or a batch of one of them
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # the likeliest ids per token
+    echo: bool | None = False  # the prompt before the completion, and its tokens' log-probabilities
+    # 0 with echo scores a text without decoding (how evaluation harnesses read log-likelihoods)
+    max_tokens: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _nothing_only_with_echo(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 decodes nothing; it is for scoring a prompt with echo: true")
+        return self
 
     @field_validator("logprobs", mode="before")
     @classmethod
