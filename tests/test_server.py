@@ -293,6 +293,15 @@ def test_echo_without_logprobs_sends_the_prompt_first(client):
     assert "".join(c["choices"][0]["text"] for c in streamed) == echoed["text"]
 
 
+def test_penalties_answer_as_generate_does(client, spec_client, target):
+    options = {"presence_penalty": 1.0, "frequency_penalty": 0.5, "repetition_penalty": 1.3}
+    request = {"prompt": PROMPT, "max_tokens": 20, "temperature": 0, "ignore_eos": True, **options}
+    expected = generate(target, PROMPT, max_tokens=20, ignore_eos=True, **options)
+    assert expected.token_ids != generate(target, PROMPT, max_tokens=20, ignore_eos=True).token_ids
+    for server in (client, spec_client):
+        assert server.post("/v1/completions", json=request).json()["choices"][0]["text"] == expected.text
+
+
 def test_text_offsets_count_characters_not_bytes(target):
     from verispec.events import Logprob
     from verispec.server.responses import LogprobsShape
@@ -437,7 +446,10 @@ def assert_error(response, status: int, *fragments: str) -> dict:
     ({"prompt": PROMPT, "logprobs": 21}, ["logprobs", "less than or equal to 20"], "logprobs"),
     ({"prompt": PROMPT, "logprobs": -1}, ["logprobs", "greater than or equal to 0"], "logprobs"),
     ({"prompt": PROMPT, "logprobs": True}, ["logprobs takes the number of likeliest ids", "not true"], "logprobs"),
-    ({"prompt": PROMPT, "presence_penalty": 0.5}, ["presence_penalty", "not supported"], None),
+    ({"prompt": PROMPT, "presence_penalty": 2.5}, ["presence_penalty", "less than or equal to 2"],
+     "presence_penalty"),
+    ({"prompt": PROMPT, "repetition_penalty": 0}, ["repetition_penalty", "greater than 0"], "repetition_penalty"),
+    ({"prompt": PROMPT, "logit_bias": {"5": 3}}, ["logit_bias", "not supported"], None),
     ({"prompt": [PROMPT, PROMPT]}, ["one prompt per request"], "prompt"),
     ({"prompt": PROMPT, "stop": 5}, ["stop must be a string or a list of strings"], "stop"),
     ({"prompt": 5}, ["prompt must be a string, a list of token ids"], "prompt"),

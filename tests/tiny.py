@@ -207,8 +207,10 @@ def tiny_lm(vocab: int, seed: int):
     return LoadedModel("tiny", None, model, tokenizer, config, 0.0, torch.float32, torch.device("cpu"))
 
 
-def exact_distribution(model, prompt: list[int], steps: int, params) -> dict[tuple, float]:
-    """P(first `steps` tokens) under plain sampling, by enumeration."""
+def exact_distribution(model, prompt: list[int], steps: int, params, penalties=None) -> dict[tuple, float]:
+    """P(first `steps` tokens) under plain sampling, by enumeration; with `penalties`
+    (verispec.penalties.Penalties) on the logits of each step, given the tokens before it."""
+    from verispec.penalties import PenaltyState
     from verispec.sampling import probabilities
 
     dist = {(): 1.0}
@@ -217,6 +219,10 @@ def exact_distribution(model, prompt: list[int], steps: int, params) -> dict[tup
         for prefix, p in dist.items():
             with torch.no_grad():
                 logits = model.model(torch.tensor([prompt + list(prefix)]), model.model.new_cache(16))[0, -1]
+            if penalties is not None:
+                state = PenaltyState(penalties, prompt)
+                state.add(prefix)
+                logits = state.apply(logits[None], [])[0]
             probs = probabilities(logits, params)
             for token, q in enumerate(probs.tolist()):
                 if q > 0:

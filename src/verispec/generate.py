@@ -19,6 +19,7 @@ import torch
 from verispec.errors import ContextOverflowError, VerispecError
 from verispec.events import (MAX_TOP_LOGPROBS, Event, Finished, GenerationResult, Logprob, Prompt, SpecStats, Timings,
                              Token)
+from verispec.penalties import Penalties, PenaltyState
 from verispec.sampling import SamplingParams, next_token, token_logprob
 from verispec.spec.gamma import make_policy
 from verispec.spec.prompt_lookup import PromptLookupProposer
@@ -199,12 +200,15 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
            stop: str | Sequence[str] | None = (),
            chat: bool = False, ignore_eos: bool = False, ngram: tuple[int, int] = (3, 1),
            draft_vocab: int | str | None = "auto", lookup: bool = True,
-           logprobs: int | None = None, prompt_logprobs: int | None = None) -> Iterator[Event]:
+           logprobs: int | None = None, prompt_logprobs: int | None = None, presence_penalty: float = 0.0,
+           frequency_penalty: float = 0.0, repetition_penalty: float = 1.0) -> Iterator[Event]:
     """Decode from `target` (a LoadedModel); with `draft`, speculatively. Yields Token events, then Finished.
     With `logprobs` (0 to MAX_TOP_LOGPROBS), every token carries the target's log-probability
     of it and of its `logprobs` most likely alternatives (`token_logprob`); with
     `prompt_logprobs`, a Prompt event first gives the same for every prompt token, given the
     tokens before it (what scoring a text needs; `max_tokens=0` then decodes nothing).
+    The penalties (`verispec.penalties`, as OpenAI and vLLM define them) change the target's
+    choices, not the log-probabilities reported.
     A draft model proposes only the first `draft_vocab` token ids and the context's; "auto"
     (the default) limits a vocabulary of more than 65,536 ids to the first 32,768, None keeps
     all (`draft_vocab_limit`). With
@@ -222,6 +226,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
             raise VerispecError(f"{name} must be a whole number from 0 to {MAX_TOP_LOGPROBS} (the alternatives "
                                 f"per token) or None, got {value!r}")
     params = SamplingParams(temperature, top_k, top_p, seed)
+    penalties = Penalties(presence_penalty, frequency_penalty, repetition_penalty)
     stop = _stop_strings(stop)
     generator = params.generator() if not params.greedy else None
     tokenizer, model = target.tokenizer, target.model
@@ -245,6 +250,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     device = next(model.parameters()).device
 
     stats = SpecStats(draft_vocab=getattr(proposer, "limited_to", None))
+    penalty = PenaltyState(penalties, prompt_ids) if penalties.active else None
     text = TextAssembler(tokenizer, stop)
     eos_ids = set() if ignore_eos else tokenizer.eos_ids
     out_ids: list[int] = []
@@ -279,7 +285,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     started = time.perf_counter()
     cache = model.new_cache(max_len)
     logits, scored_prompt = _prefill(model, prompt_ids, cache, device, prompt_logprobs)
-    first = next_token(logits, params, generator)
+    first = next_token(penalty.apply(logits[None], [])[0] if penalty else logits, params, generator)
     prefill_s = time.perf_counter() - started
     stats.rounds, stats.plain = 1, 1
     stats.gammas.append(0)
@@ -296,6 +302,8 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     lazy = bool(adaptive) and hasattr(proposer, "catch_up")
     weighs_lookup = lookup and lazy and hasattr(policy, "lookup_gamma")
     lookup_proposer = policy_lookup() if weighs_lookup else None
+    if penalty is not None:
+        penalty.add(out_ids)
     if proposer is not None and finish is None:
         t0 = time.perf_counter()
         proposer.start(prompt_ids, max_len, **({"prefill": False} if lazy else {}))
@@ -324,10 +332,11 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
         t0 = time.perf_counter()
         feed = torch.tensor([[context[-1], *drafts]], device=device)
         logits = model(feed, cache)[0]
+        choices = penalty.apply(logits, drafts) if penalty else logits  # logprobs report the raw rows
         if params.greedy:
-            verdict = verify_greedy(logits, drafts)
+            verdict = verify_greedy(choices, drafts)
         else:
-            verdict = verify_sampling(logits, drafts, draft_probs, params, generator)
+            verdict = verify_sampling(choices, drafts, draft_probs, params, generator)
         kept = len(context) + verdict.accepted
         cache.rollback(kept)
         if proposer is not None:
@@ -346,6 +355,8 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
         before = len(out_ids)
         yield from emit(new, kinds, stats.rounds, logits)
         emitted = len(out_ids) - before
+        if penalty is not None:
+            penalty.add(out_ids[before:])
         _count(stats, drafts, verdict, emitted)
         context.extend(new)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
-from verispec.commands.options import (add_draft_vocab_option, add_model_options, load_target_and_draft, non_negative_float,
-                                       non_negative_int, probability)
+from verispec.commands.options import (add_draft_vocab_option, add_model_options, finite_float, load_target_and_draft,
+                                       non_negative_float, non_negative_int, probability)
 from verispec.events import MAX_TOP_LOGPROBS
 
 # how --show colours each token by origin (the seed's figure: kept drafts purple)
@@ -26,6 +26,13 @@ def register(sub) -> None:
     parser.add_argument("--top-k", type=non_negative_int, default=0)
     parser.add_argument("--top-p", type=probability, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--presence-penalty", type=finite_float, default=0.0,
+                        help="subtracted from a token's logit once it has been generated (-2 to 2)")
+    parser.add_argument("--frequency-penalty", type=finite_float, default=0.0,
+                        help="subtracted from a token's logit for each time it has been generated (-2 to 2)")
+    parser.add_argument("--repetition-penalty", type=finite_float, default=1.0,
+                        help="divides the positive logits (multiplies the negative) of tokens in the prompt "
+                             "or output; 1: none")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
@@ -59,7 +66,9 @@ def run(args) -> int:
                     max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat,
                     ignore_eos=args.ignore_eos, ngram=tuple(args.ngram), draft_vocab=args.draft_vocab,
-                    lookup=not args.no_lookup, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
+                    lookup=not args.no_lookup, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
+                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                    repetition_penalty=args.repetition_penalty)
     console = Console(highlight=False)
     result = None
     for event in events:

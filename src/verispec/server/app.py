@@ -122,6 +122,9 @@ class Engine:
             adaptive=self.adaptive,
             lookup=self.lookup,
             logprobs=request.alternatives,
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
         )
         return Job(prompt_ids, options)
 

@@ -2,7 +2,7 @@
 
 Unknown fields are ignored, as OpenAI's own clients send many. Fields that
 would change the answer in ways verispec does not implement (n > 1, echo on
-chat, penalties, tools, ...) are refused with a clear message rather than silently
+chat, logit_bias, tools, ...) are refused with a clear message rather than silently
 dropped; their neutral values (null, 0, false, 1, the default) are accepted.
 """
 
@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from verispec.events import MAX_TOP_LOGPROBS
+from verispec.penalties import MAX_ADDITIVE
 from verispec.sampling import SEED_MAX, SEED_MIN
 
 # field -> the values that ask for nothing beyond plain decoding
@@ -20,9 +21,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
     "logit_bias": (None, {}),
     "min_tokens": (None, 0),
     "tools": (None, []),
@@ -58,6 +56,9 @@ class DecodingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension: decode past the end-of-text token
+    presence_penalty: float | None = Field(default=None, ge=-MAX_ADDITIVE, le=MAX_ADDITIVE)
+    frequency_penalty: float | None = Field(default=None, ge=-MAX_ADDITIVE, le=MAX_ADDITIVE)
+    repetition_penalty: float | None = Field(default=None, gt=0)  # vLLM's extension; 1 is none
 
     @field_validator("n")
     @classmethod

@@ -1,0 +1,129 @@
+"""Presence, frequency and repetition penalties: the penalised target's output, speculative or not."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+import tiny
+from verispec.errors import VerispecError
+from verispec.generate import generate
+from verispec.penalties import Penalties, PenaltyState
+
+PROMPT = "the cat sat on the mat. the cat sat on the"
+STRONG = dict(presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.7)
+
+
+def by_hand(logit: float, generated: int, in_context: bool, presence: float, frequency: float,
+            repetition: float) -> float:
+    """The definitions, one logit at a time."""
+    if in_context:
+        logit = logit / repetition if logit > 0 else logit * repetition
+    return logit - frequency * generated - presence * (generated > 0)
+
+
+def test_rows_follow_the_output_and_the_drafts_before_them():
+    penalties = Penalties(presence=0.25, frequency=0.5, repetition=2.0)
+    state = PenaltyState(penalties, prompt_ids=[1, 2])
+    state.add([2, 3, 3])
+    logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    drafts = [3, 5, 5]
+    got = state.apply(logits, drafts)
+    for row in range(4):
+        generated = Counter([2, 3, 3, *drafts[:row]])
+        for token in range(8):
+            in_context = token in (1, 2) or generated[token] > 0
+            expected = by_hand(float(logits[row, token]), generated[token], in_context, 0.25, 0.5, 2.0)
+            assert float(got[row, token]) == pytest.approx(expected, abs=1e-6), (row, token)
+    assert not torch.equal(got, logits) and torch.equal(logits, logits.clone())  # the raw rows stay
+
+
+def test_each_row_is_what_a_plain_step_at_its_position_sees():
+    """Bit for bit: a verification row and the one-row step after the same tokens round alike."""
+    penalties = Penalties(presence=0.3, frequency=0.7, repetition=1.3)
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(1)) * 4
+    drafts = [7, 7, 9, 11]
+    verifying = PenaltyState(penalties, [3, 7, 40])
+    verifying.add([7, 12])
+    rows = verifying.apply(logits, drafts)
+    for row in range(5):
+        stepping = PenaltyState(penalties, [3, 7, 40])
+        stepping.add([7, 12, *drafts[:row]])
+        assert torch.equal(stepping.apply(logits[row:row + 1], [])[0], rows[row])
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(presence=2.5), "presence penalty must be a number from -2 to 2"),
+    (dict(frequency=float("nan")), "frequency penalty must be a number from -2 to 2"),
+    (dict(repetition=0), "repetition penalty must be a number > 0"),
+    (dict(repetition=True), "repetition penalty must be a number > 0"),
+])
+def test_bad_penalties_are_refused(bad, message):
+    with pytest.raises(VerispecError, match=message):
+        Penalties(**bad)
+
+
+def greedy_by_hand(target, prompt_ids: list[int], steps: int, presence: float, frequency: float,
+                   repetition: float) -> list[int]:
+    """Plain greedy decoding with the penalties applied logit by logit, on the plain PyTorch path."""
+    from verispec.kernels import switched_off
+
+    out: list[int] = []
+    with switched_off(), torch.inference_mode():
+        for _ in range(steps):
+            ids = prompt_ids + out
+            logits = target.model(torch.tensor([ids]), target.model.new_cache(len(ids)))[0, -1].tolist()
+            generated = Counter(out)
+            scored = [by_hand(x, generated[t], t in prompt_ids or generated[t] > 0, presence, frequency, repetition)
+                      for t, x in enumerate(logits)]
+            out.append(max(range(len(scored)), key=scored.__getitem__))
+    return out
+
+
+def test_plain_decoding_is_the_penalised_targets_argmax(target):
+    prompt_ids = target.tokenizer.encode(PROMPT)
+    result = generate(target, PROMPT, max_tokens=16, ignore_eos=True, **STRONG)
+    assert result.token_ids == greedy_by_hand(target, prompt_ids, 16, 0.8, 0.6, 1.7)
+    assert result.token_ids != generate(target, PROMPT, max_tokens=16, ignore_eos=True).token_ids
+
+
+@pytest.mark.parametrize("draft_kind", ["self", "unrelated", "ngram", "adaptive"])
+def test_speculative_decoding_keeps_the_penalised_output(target, unrelated, draft_kind):
+    draft = {"self": target, "unrelated": unrelated, "ngram": "ngram", "adaptive": unrelated}[draft_kind]
+    # a negative presence penalty favours repeats, so that prompt lookup finds some to draft
+    penalties = dict(presence_penalty=-1.0, frequency_penalty=0.2) if draft_kind == "ngram" else STRONG
+    plain = generate(target, PROMPT, max_tokens=30, ignore_eos=True, logprobs=0, **penalties)
+    result = generate(target, PROMPT, draft=draft, gamma=5, adaptive=draft_kind == "adaptive", max_tokens=30,
+                      ignore_eos=True, logprobs=0, **penalties)
+    assert result.token_ids == plain.token_ids
+    assert result.spec.drafted > 0
+    # the log-probabilities reported are the target's own, before the penalties
+    unpenalised = generate(target, PROMPT, max_tokens=1, ignore_eos=True, logprobs=0)
+    assert plain.logprobs[0] == unpenalised.logprobs[0]
+
+
+def test_speculative_sampling_follows_the_penalised_distribution():
+    """Lossless with penalties: a draft that ignores them still gives the penalised target's
+    distribution over three tokens (6 ids, so every sequence can be counted)."""
+    from scipy.stats import chisquare
+
+    from verispec.sampling import SamplingParams
+    target, draft = tiny.tiny_lm(6, seed=10), tiny.tiny_lm(6, seed=11)
+    prompt = [1, 2, 3]
+    penalties = Penalties(presence=0.5, frequency=0.9, repetition=1.5)
+    exact = tiny.exact_distribution(target, prompt, 3, SamplingParams(temperature=0.9), penalties)
+    counts = dict.fromkeys(exact, 0)
+    samples = 8_000
+    for i in range(samples):
+        result = generate(target, prompt, draft=draft, gamma=2, max_tokens=3, seed=777 + i, temperature=0.9,
+                          presence_penalty=0.5, frequency_penalty=0.9, repetition_penalty=1.5)
+        counts[tuple(result.token_ids)] += 1
+    common = [k for k, p in exact.items() if p * samples >= 5]
+    observed = [counts[k] for k in common] + [samples - sum(counts[k] for k in common)]
+    expected = [exact[k] * samples for k in common] + [samples * (1 - sum(exact[k] for k in common))]
+    assert len(common) >= 10
+    assert chisquare(observed, expected).pvalue > 0.01
+    unpenalised = tiny.exact_distribution(target, prompt, 3, SamplingParams(temperature=0.9))
+    assert max(abs(exact[k] - unpenalised[k]) for k in exact) > 0.05  # the penalties matter here
