@@ -42,8 +42,11 @@ READY_LAG = 32
 # category within 0.5%; benchmarks/policy_replay.py --variants current ngram-3).
 LOOKUP_NGRAM = (5, 2)
 # Positions per prefill pass when every prompt position's logits are kept (prompt
-# log-probabilities): a long prompt then holds [PROMPT_CHUNK, vocab] floats at a time, not [T, vocab].
-PROMPT_CHUNK = 128
+# log-probabilities): a long prompt then holds [PROMPT_CHUNK, vocab] floats at a time, not
+# [T, vocab]. On the CPU, 16 to 64 cost the same and more costs more: scoring a 512-token
+# prompt took 1.28-1.42x a plain prefill in chunks of 16-64, 1.66x in 128 and 1.87x in 256
+# (benchmarks/scoring.py, int8 1.5B).
+PROMPT_CHUNK = 64
 
 
 def policy_lookup() -> PromptLookupProposer:
@@ -373,8 +376,9 @@ def _prefill(model, prompt_ids: list[int], cache, device: torch.device, top: int
              ) -> tuple[torch.Tensor, list[Logprob | None] | None]:
     """The target reads the prompt: the last position's logits, and with `top` (not None)
     every prompt token's log-probability given those before it (None for the first) with its
-    `top` likeliest alternatives. Those are read PROMPT_CHUNK positions a pass; each position's
-    logits are a function of the cache before it, so the chunks give the one-pass bits."""
+    `top` likeliest alternatives. Those are read PROMPT_CHUNK positions a pass. On the CPU
+    kernels a position's logits do not depend on how many positions a pass holds, so there
+    the chunks leave the cache and the last logits bit for bit as one pass leaves them."""
     if top is None:
         return model(torch.tensor([prompt_ids], device=device), cache, last_only=True)[0, -1], None
     scored: list[Logprob | None] = [None]
