@@ -3,18 +3,22 @@
 
     python benchmarks/scoring.py [--weights int8] [--tokens 512] [--chunks 64 128 256] [--quick]
     python benchmarks/scoring.py --chunks 16 32 64 --rounds 3
+    python benchmarks/scoring.py --chunks 64 256 --split --rounds 3
 
 The target reads Spec-Bench questions joined and cut to --tokens tokens. The ways take turns,
 round by round: a plain prefill (one pass, the last position's logits only), and scored
 prefills that read the prompt PROMPT_CHUNK positions a pass and keep every position's logits,
-with 0 and with 5 alternatives per token, at each chunk size. Printed: each way's median
-time as a ratio of the plain prefill's in the same run.
+with 0 and with 5 alternatives per token, at each chunk size. With --split, also the passes
+alone at each chunk size: the chunks with only their last row's logits (what chunking costs
+the model's body) and with every row's (the output layer's share), no log-softmax. Printed:
+each way's median time as a ratio of the plain prefill's in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
@@ -41,6 +45,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--chunks", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--split", action="store_true", help="also time the chunked passes alone")
     parser.add_argument("--quick", action="store_true", help="a 0.5B model, 128 tokens, 2 rounds: a rehearsal")
     args = parser.parse_args()
     if args.quick:
@@ -67,10 +72,24 @@ def main() -> None:
             return result.timings.prefill_s
         return run
 
+    @torch.inference_mode()
+    def passes(chunk: int, last_only: bool):
+        def run() -> float:
+            model = target.model
+            cache = model.new_cache(len(ids) + 1)
+            started = time.perf_counter()
+            for start in range(0, len(ids), chunk):
+                model(torch.tensor([ids[start:start + chunk]]), cache, last_only=last_only)
+            return time.perf_counter() - started
+        return run
+
     ways = {"plain": plain}
     for chunk in args.chunks:
         for alternatives in (0, 5):
             ways[f"chunk {chunk}, top {alternatives}"] = scored(chunk, alternatives)
+        if args.split:
+            ways[f"chunk {chunk}, last rows"] = passes(chunk, last_only=True)
+            ways[f"chunk {chunk}, all rows"] = passes(chunk, last_only=False)
     plain()  # warm: the first pass pays for allocations and page faults
     seconds: dict[str, list[float]] = {name: [] for name in ways}
     for index in range(args.rounds):
