@@ -54,6 +54,21 @@ def test_each_row_is_what_a_plain_step_at_its_position_sees():
         assert torch.equal(stepping.apply(logits[row:row + 1], [])[0], rows[row])
 
 
+def test_rows_over_other_columns_are_penalised_by_their_ids():
+    """A draft limited to its first ids and the context's has logits over columns that are not
+    the ids: ids 0-3, then ids 9 and 6. The penalties follow the ids through the map."""
+    penalties = Penalties(presence=0.4, frequency=0.3, repetition=1.6)
+    state = PenaltyState(penalties, prompt_ids=[2, 9])
+    state.add([6, 1, 6])
+    by_id = torch.randn(2, 10, generator=torch.Generator().manual_seed(2))
+    layout = [0, 1, 2, 3, 9, 6]
+    columns = {token: i for i, token in enumerate(layout)}
+    got = state.apply(by_id[:, layout], drafts=[9], before=[3], column_of=columns.get)
+    expected = state.apply(by_id, drafts=[9], before=[3])[:, layout]
+    assert torch.equal(got, expected)
+    assert not torch.equal(got, by_id[:, layout])
+
+
 @pytest.mark.parametrize("bad,message", [
     (dict(presence=2.5), "presence penalty must be a number from -2 to 2"),
     (dict(frequency=float("nan")), "frequency penalty must be a number from -2 to 2"),
@@ -99,9 +114,37 @@ def test_speculative_decoding_keeps_the_penalised_output(target, unrelated, draf
                       ignore_eos=True, logprobs=0, **penalties)
     assert result.token_ids == plain.token_ids
     assert result.spec.drafted > 0
+    if draft_kind == "self":  # the draft is penalised as the target is, so it proposes what the target picks
+        assert result.spec.accepted == result.spec.drafted
     # the log-probabilities reported are the target's own, before the penalties
     unpenalised = generate(target, PROMPT, max_tokens=1, ignore_eos=True, logprobs=0)
     assert plain.logprobs[0] == unpenalised.logprobs[0]
+
+
+def test_a_limited_draft_is_penalised_through_its_columns(target):
+    """The target drafting its first 100 ids and the context's, after a prompt of every id above
+    100, highest first: it can propose any id, from columns that are not the ids. Penalised
+    through that map, it proposes what the whole-vocabulary draft proposes under the same
+    penalties, and those differ from its unpenalised proposals."""
+    from verispec.sampling import SamplingParams
+    from verispec.spec.draft_model import DraftModelProposer
+
+    prompt = list(range(tiny.VOCAB - 1, 99, -1))
+
+    def proposals(vocab_limit: int | None, penalty: PenaltyState | None) -> list[int]:
+        proposer = DraftModelProposer(target, vocab_limit=vocab_limit)
+        proposer.penalty = penalty
+        proposer.start(prompt, len(prompt) + 8)
+        tokens = proposer.propose(prompt, 6, SamplingParams(), None).tokens
+        assert vocab_limit is None or proposer.extra_ids[:2] == [tiny.VOCAB - 1, tiny.VOCAB - 2]
+        return tokens
+
+    free = proposals(None, None)
+    state = PenaltyState(Penalties(presence=2.0, frequency=2.0), prompt)
+    state.add(free)  # as if the output so far held the unpenalised proposals
+    penalised = proposals(None, state)
+    assert penalised != free and any(token >= 100 for token in free)
+    assert proposals(100, state) == penalised
 
 
 def test_speculative_sampling_follows_the_penalised_distribution():

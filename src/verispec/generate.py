@@ -254,6 +254,8 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
 
     stats = SpecStats(draft_vocab=getattr(proposer, "limited_to", None))
     penalty = PenaltyState(penalties, prompt_ids) if penalties.active else None
+    if hasattr(proposer, "penalty"):
+        proposer.penalty = penalty  # a draft model proposes under the target's penalties
     text = TextAssembler(tokenizer, stop)
     eos_ids = set() if ignore_eos else tokenizer.eos_ids
     out_ids: list[int] = []

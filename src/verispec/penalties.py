@@ -5,14 +5,15 @@ and multiplies a negative one by r, for every id in the prompt or the output; th
 `frequency` subtracts f for each time an id was generated and `presence` subtracts p once
 an id has been generated at all. Plain decoding with penalties is the penalised target's
 output, and speculative decoding keeps it so: each row of a verification pass is penalised
-by the output before its position, the drafts before it included. The draft proposes from
-its own unpenalised logits; that costs acceptance, never exactness.
+by the output before its position, the drafts before it included. A draft model is
+penalised alike, its own drafts counted as they come, so that it proposes what the
+penalised target would; what a draft proposes costs acceptance only, never exactness.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,9 @@ class Penalties:
         return logits - self.frequency * counts - self.presence * (counts > 0).float()
 
 
+ColumnOf = Callable[[int], "int | None"]  # a token id's column in rows that are not over the ids themselves
+
+
 class PenaltyState:
     """One request's penalties and the ids its text holds: the prompt's (for the repetition
     penalty) and how often each was generated."""
@@ -56,31 +60,46 @@ class PenaltyState:
         self.penalties = penalties
         self.generated: Counter[int] = Counter()
         self.prompt = set(prompt_ids) if penalties.repetition != 1 else set()
-        self._columns: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._columns: tuple | None = None  # (column_of, width, device, columns, counts)
 
     def add(self, tokens: Iterable[int]) -> None:
         """Tokens that joined the output."""
         self.generated.update(tokens)
         self._columns = None
 
-    def apply(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
-        """Penalised copies of a pass's rows [rows, vocab]: row i follows the output and drafts[:i]."""
+    def apply(self, logits: torch.Tensor, drafts: Sequence[int] = (), before: Sequence[int] = (),
+              column_of: ColumnOf | None = None) -> torch.Tensor:
+        """Penalised copies of rows [rows, width]: row i follows the output, then `before`, then
+        drafts[:i]. The rows' columns are the token ids, or where `column_of` is given, what it
+        maps each id to (None: the id has no column), as a draft limited to its first ids and
+        the context's has them; one `column_of` serves a round's calls."""
         out = logits.clone()
-        ids, counts = self._context_columns(logits.device)
-        if ids.numel():
-            out[:, ids] = self.penalties.penalised(logits[:, ids], counts)
-        vocab = logits.shape[-1]
-        for row in range(1, logits.shape[0]):
-            for token, extra in Counter(drafts[:row]).items():
-                if token < vocab:
+        width = logits.shape[-1]
+        columns, counts = self._context_columns(logits.device, width, column_of)
+        if columns.numel():
+            out[:, columns] = self.penalties.penalised(logits[:, columns], counts)
+        for row in range(logits.shape[0]):
+            for token, extra in Counter([*before, *drafts[:row]]).items():
+                column = _column(token, width, column_of)
+                if column is not None:
                     count = torch.tensor([self.generated[token] + extra], dtype=torch.float32, device=logits.device)
-                    out[row, token:token + 1] = self.penalties.penalised(logits[row, token:token + 1], count)
+                    out[row, column:column + 1] = self.penalties.penalised(logits[row, column:column + 1], count)
         return out
 
-    def _context_columns(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ids the penalties touch before this pass's drafts, and how often each was generated."""
-        if self._columns is None or self._columns[0].device != device:
-            ids = sorted(self.prompt | self.generated.keys())
-            self._columns = (torch.tensor(ids, dtype=torch.long, device=device),
-                             torch.tensor([self.generated[i] for i in ids], dtype=torch.float32, device=device))
-        return self._columns
+    def _context_columns(self, device: torch.device, width: int, column_of: ColumnOf | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The columns the penalties touch before `before` and the drafts, and how often each
+        column's id was generated."""
+        cached = self._columns
+        if cached is None or cached[0] is not column_of or cached[1] != width or cached[2] != device:
+            pairs = [(column, self.generated[i]) for i in sorted(self.prompt | self.generated.keys())
+                     if (column := _column(i, width, column_of)) is not None]
+            columns = torch.tensor([c for c, _ in pairs], dtype=torch.long, device=device)
+            counts = torch.tensor([n for _, n in pairs], dtype=torch.float32, device=device)
+            self._columns = cached = (column_of, width, device, columns, counts)
+        return cached[3], cached[4]
+
+
+def _column(token: int, width: int, column_of: ColumnOf | None) -> int | None:
+    column = token if column_of is None else column_of(token)
+    return column if column is not None and column < width else None

@@ -80,6 +80,9 @@ class DraftModelProposer:
         # (context length, logits) that catch_up left for the first draft of the next round
         self.ready: tuple[int, torch.Tensor] | None = None
         self.device = loaded.device
+        # the request's penalties (verispec.penalties.PenaltyState), which generate() sets and
+        # keeps up to date: the draft applies them as the target does, to propose its tokens
+        self.penalty = None
 
     @property
     def limited_to(self) -> int | None:
@@ -132,11 +135,14 @@ class DraftModelProposer:
         feed = torch.tensor([pending], device=self.device) if pending else None
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
+        column_of = self._column_map() if self.penalty is not None else None
         for i in range(gamma):
             if feed is None:  # the first draft, from the logits catch_up left
                 logits = ready[1]
             else:
                 logits = self._logits(feed)
+            if self.penalty is not None:
+                logits = self.penalty.apply(logits[None], before=tokens, column_of=column_of)[0]
             if params.greedy:
                 token = self._token(greedy_token(logits))
             else:
@@ -152,6 +158,11 @@ class DraftModelProposer:
         """The last position's logits: the first vocab_limit ids', then extra_ids' if any."""
         extra = {} if self.extra_rows is None else {"extra_rows": self.extra_rows}
         return self.model(feed, self.cache, last_only=True, **self.outputs, **extra)[0, -1]
+
+    def _column_map(self):
+        """Token id -> its column in this round's logits: the first ids, then the context's."""
+        extra = {token: self.vocab_limit + i for i, token in enumerate(self.extra_ids)}
+        return lambda token: token if token < self.vocab_limit else extra.get(token)
 
     def _token(self, index: int) -> int:
         """The token id of a column of the logits."""
