@@ -4,11 +4,13 @@ without them, the output audited against plain decoding with the same penalties.
     python benchmarks/penalties.py                       # coding and writing, 3 prompts each
     python benchmarks/penalties.py --categories coding --prompts 2 --gamma 4
 
-The target's choices are penalised (presence, frequency, repetition: `verispec.penalties`);
-the draft proposes from its own unpenalised logits, so every draft of a token the penalties
-push down is a likely rejection. For each prompt and setting: plain decoding, speculative
-decoding, plain decoding again, one after the other; speed-up = plain time / speculative
-time; VALID when the speculative tokens equal both plain runs'.
+The target's choices are penalised (presence, frequency, repetition: `verispec.penalties`),
+and so are the draft's, so that it proposes what the penalised target would pick. Against
+that, a draft that ignores the penalties: every draft of a token they push down is a likely
+rejection. For each prompt and setting: plain decoding, speculative decoding with the
+penalised draft and with the unpenalised one, plain decoding again, one after the other;
+speed-up = plain time / speculative time; VALID when the speculative tokens equal both
+plain runs'.
 """
 
 from __future__ import annotations
@@ -19,6 +21,13 @@ import sys
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 
 from perf_common import add_pair_arguments, add_pair_runs, load_pair, pair_figures, pair_totals, save
+
+def unpenalised(proposer_class):
+    """A draft-model proposer that ignores the penalties generate() hands it."""
+    class Unpenalised(proposer_class):
+        penalty = property(lambda self: None, lambda self, value: None)
+    return Unpenalised
+
 
 SETTINGS = {
     "none": {},
@@ -39,31 +48,37 @@ def main() -> int:
 
     from verispec.generate import generate
     from verispec.lab.prompts import load_prompts
+    from verispec.spec.draft_model import DraftModelProposer, pair_vocab_limit
 
     target, draft, record = load_pair(args, "penalties", f"γ = {args.gamma}, {args.tokens} tokens, greedy")
     record.update(gamma=args.gamma, tokens=args.tokens, categories={})
+    limit = pair_vocab_limit("auto", draft, target)
+    drafts = {"penalised draft": lambda: DraftModelProposer(draft, vocab_limit=limit),
+              "unpenalised draft": lambda: unpenalised(DraftModelProposer)(draft, vocab_limit=limit)}
     all_valid = True
     for category in args.categories:
         prompts = load_prompts(f"spec-bench:{category}", limit=args.prompts)
-        totals = {name: pair_totals(valid=True, changed=0) for name in SETTINGS}
+        totals = {f"{name}, {kind}": pair_totals(valid=True, changed=0) for name in SETTINGS for kind in drafts}
         for prompt in prompts:
-            unpenalised = None
+            unpenalised_answer = None
             for name, penalties in SETTINGS.items():
                 options = dict(chat=True, max_tokens=args.tokens, **penalties)
                 before = generate(target, prompt.text, **options)
-                spec = generate(target, prompt.text, draft=draft, gamma=args.gamma, **options)
+                specs = {kind: generate(target, prompt.text, draft=make(), gamma=args.gamma, **options)
+                         for kind, make in drafts.items()}
                 after = generate(target, prompt.text, **options)
-                entry = totals[name]
-                add_pair_runs(entry, (before.timings.decode_s + after.timings.decode_s) / 2, len(before.token_ids),
-                              spec)
-                entry["valid"] &= spec.token_ids == before.token_ids == after.token_ids
-                unpenalised = before.token_ids if name == "none" else unpenalised
-                entry["changed"] += before.token_ids != unpenalised
+                unpenalised_answer = before.token_ids if name == "none" else unpenalised_answer
+                for kind, spec in specs.items():
+                    entry = totals[f"{name}, {kind}"]
+                    add_pair_runs(entry, (before.timings.decode_s + after.timings.decode_s) / 2,
+                                  len(before.token_ids), spec)
+                    entry["valid"] &= spec.token_ids == before.token_ids == after.token_ids
+                    entry["changed"] += before.token_ids != unpenalised_answer
         record["categories"][category] = totals
         for name, entry in totals.items():
             pair_figures(entry)
             all_valid &= entry["valid"]
-            print(f"  {category:>10} {name:>15}: speed-up {entry['speedup']:.2f}x, acceptance "
+            print(f"  {category:>10} {name:>34}: speed-up {entry['speedup']:.2f}x, acceptance "
                   f"{entry['acceptance']:.1%}, {entry['changed']}/{len(prompts)} answers changed by the "
                   f"penalties, {'VALID' if entry['valid'] else 'INVALID'}")
     save("penalties", record, {"gamma": args.gamma, "prompts": args.prompts, "all_valid": all_valid,
