@@ -112,7 +112,7 @@ def test_generation_stops_at_the_context_end(folder):
 @pytest.mark.parametrize("argv,message", [
     (["--temperature", "-1"], "--temperature"),
     (["--top-p", "1.5"], "--top-p"),
-    (["--max-tokens", "0"], "--max-tokens"),
+    (["--max-tokens", "-1"], "--max-tokens"),
     (["--gamma", "x"], "--gamma"),
     (["--draft", "ngram", "--gamma", "0"], "--gamma"),  # drafting nothing is not speculation
     (["--draft", "ngram", "--gamma", "33"], "--gamma"),
