@@ -229,3 +229,16 @@ def exact_distribution(model, prompt: list[int], steps: int, params, penalties=N
                     grown[prefix + (token,)] = p * q
         dist = grown
     return dist
+
+
+def goodness_of_fit(exact: dict[tuple, float], counts: dict[tuple, int]) -> tuple[float, int]:
+    """The chi-square p-value of sampled sequences' counts against their exact probabilities
+    (`exact_distribution`), outcomes too rare for the approximation (fewer than 5 expected)
+    merged into one cell; and how many cells stood apart."""
+    from scipy.stats import chisquare
+
+    samples = sum(counts.values())
+    common = [k for k, p in exact.items() if p * samples >= 5]
+    observed = [counts[k] for k in common] + [samples - sum(counts[k] for k in common)]
+    expected = [exact[k] * samples for k in common] + [samples * (1 - sum(exact[k] for k in common))]
+    return chisquare(observed, expected).pvalue, len(common)
