@@ -211,7 +211,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     `prompt_logprobs`, a Prompt event first gives the same for every prompt token, given the
     tokens before it (what scoring a text needs; `max_tokens=0` then decodes nothing).
     The penalties (`verispec.penalties`, as OpenAI and vLLM define them) change the target's
-    choices, not the log-probabilities reported.
+    choices and a draft model's proposals, not the log-probabilities reported.
     A draft model proposes only the first `draft_vocab` token ids and the context's; "auto"
     (the default) limits a vocabulary of more than 65,536 ids to the first 32,768, None keeps
     all (`draft_vocab_limit`). With
@@ -303,12 +303,12 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
         yield from emit([first], ["target"], 0, logits[None])
     if not out_ids:  # the first token was the end of text, or none was asked for
         stats.plain = 0
+    if penalty is not None:
+        penalty.add(out_ids)
     decode_started = time.perf_counter()
     lazy = bool(adaptive) and hasattr(proposer, "catch_up")
     weighs_lookup = lookup and lazy and hasattr(policy, "lookup_gamma")
     lookup_proposer = policy_lookup() if weighs_lookup else None
-    if penalty is not None:
-        penalty.add(out_ids)
     if proposer is not None and finish is None:
         t0 = time.perf_counter()
         proposer.start(prompt_ids, max_len, **({"prefill": False} if lazy else {}))
