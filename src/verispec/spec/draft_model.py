@@ -71,7 +71,7 @@ class DraftModelProposer:
         # tokens looked at for them so far
         self.context_ids = context_ids and bool(self.outputs)
         self.extra_ids: list[int] = []
-        self.extra_known: set[int] = set()
+        self.extra_columns: dict[int, int] = {}  # each of extra_ids -> its column in the logits
         self.extra_rows: torch.Tensor | None = None
         self.scanned = 0
         self.name = name or loaded.name
@@ -95,7 +95,7 @@ class DraftModelProposer:
         `prefill` the draft reads the prompt later, in its first round or through `catch_up`."""
         self.cache = self.model.new_cache(max_len)
         self.offset, self.ready = 0, None
-        self.extra_ids, self.extra_known, self.extra_rows, self.scanned = [], set(), None, 0
+        self.extra_ids, self.extra_columns, self.extra_rows, self.scanned = [], {}, None, 0
         if prefill and self._readable(prompt_ids):
             self.model(torch.tensor([prompt_ids], device=self.device), self.cache, last_only=True, **self.outputs)
 
@@ -160,9 +160,8 @@ class DraftModelProposer:
         return self.model(feed, self.cache, last_only=True, **self.outputs, **extra)[0, -1]
 
     def _column_map(self):
-        """Token id -> its column in this round's logits: the first ids, then the context's."""
-        extra = {token: self.vocab_limit + i for i, token in enumerate(self.extra_ids)}
-        return lambda token: token if token < self.vocab_limit else extra.get(token)
+        """Token id -> its column in the logits: the first ids, then the context's."""
+        return lambda token: token if token < self.vocab_limit else self.extra_columns.get(token)
 
     def _token(self, index: int) -> int:
         """The token id of a column of the logits."""
@@ -188,14 +187,14 @@ class DraftModelProposer:
         if not self.context_ids or self.scanned >= len(context):
             return
         new = [t for t in dict.fromkeys(context[self.scanned:])
-               if self.vocab_limit <= t < self.rows and t not in self.extra_known]
+               if self.vocab_limit <= t < self.rows and t not in self.extra_columns]
         self.scanned = len(context)
         new = new[:MAX_CONTEXT_IDS - len(self.extra_ids)]
         if new:
             rows = self.model.output_rows(torch.tensor(new, device=self.device))
             self.extra_rows = rows if self.extra_rows is None else torch.cat([self.extra_rows, rows])
+            self.extra_columns.update((t, self.vocab_limit + len(self.extra_ids) + i) for i, t in enumerate(new))
             self.extra_ids.extend(new)
-            self.extra_known.update(new)
 
     def _readable(self, ids: list[int]) -> bool:
         return all(i < self.rows for i in ids)
