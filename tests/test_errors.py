@@ -117,6 +117,9 @@ def test_generation_stops_at_the_context_end(folder):
     (["--draft", "ngram", "--gamma", "0"], "--gamma"),  # drafting nothing is not speculation
     (["--draft", "ngram", "--gamma", "33"], "--gamma"),
     (["--weights", "int3"], "--weights"),
+    (["--logit-bias", "13"], "--logit-bias"),
+    (["--logit-bias", "x=1"], "--logit-bias"),
+    (["--logit-bias", "13=nan"], "--logit-bias"),
 ])
 def test_bad_option_values(folder, capsys, argv, message):
     code, _, err = run_cli(capsys, "generate", "--model", str(folder), *argv, "hi")
@@ -249,6 +252,14 @@ def test_nan_and_inf_option_values_are_refused_when_parsed(folder, capsys, argv,
     ({"draft": "ngram", "gamma": 2.5}, "gamma must be a whole number"),
     ({"stop": 5}, "stop must be a string or a list of strings"),
     ({"stop": ["x", None]}, "stop must be a string or a list of strings"),
+    ({"logit_bias": {99999: 1.0}}, "token id 99999 is outside the model's vocabulary"),
+    ({"logit_bias": {"5": 1.0}}, "a logit bias is keyed by a token id"),
+    ({"logit_bias": {5: 101}}, "a logit bias must be a number from -100 to 100"),
+    ({"logit_bias": [(5, 1.0), (5, 2.0)]}, "names a token id twice"),
+    ({"logit_bias": 5}, "a logit bias maps token ids to amounts"),
+    ({"stop_token_ids": [3, "a"]}, "stop token ids must be a list of token ids"),
+    ({"stop_token_ids": 3}, "stop token ids must be a list of token ids"),
+    ({"stop_token_ids": [99999]}, "token id 99999 is outside the model's vocabulary"),
 ])
 def test_api_arguments_of_the_wrong_kind_are_named(folder, options, message):
     from verispec.errors import VerispecError

@@ -761,6 +761,25 @@ def test_generate_json_carries_logprobs_when_asked(models, capsys):
     assert code == 1 and "--logprobs takes 0 to 20" in out
 
 
+def test_generate_takes_a_logit_bias_and_stop_token_ids(models, loaded, capsys):
+    from verispec.generate import generate
+
+    argv = ["generate", "--model", models / "target", "--draft", models / "other", "-n", "6", "--ignore-eos",
+            "--json", "hi"]
+    code, out = run_cli(capsys, *argv)
+    first = json.loads(out)["token_ids"][0]
+    code, out = run_cli(capsys, *argv[:-1], "--logit-bias", f"{first}=-100", "--logit-bias", "7=2.5", argv[-1])
+    assert code == 0
+    biased = json.loads(out)["token_ids"]
+    assert first not in biased
+    assert biased == generate(loaded["target"], "hi", max_tokens=6, ignore_eos=True,
+                              logit_bias={first: -100, 7: 2.5}).token_ids
+    code, out = run_cli(capsys, *argv[:-1], "--logit-bias", "7=1", "--logit-bias", "7=2", argv[-1])
+    assert code == 1 and "names a token id twice" in out
+    code, out = run_cli(capsys, *argv[:-1], "--logit-bias", "7=100", "--stop-token-id", "7", argv[-1])
+    assert code == 0 and json.loads(out)["token_ids"] == [] and json.loads(out)["finish_reason"] == "stop"
+
+
 def test_generate_scores_a_prompt_with_no_tokens(models, capsys):
     argv = ["generate", "--model", models / "target", "-n", "0", "the cat sat"]
     code, out = run_cli(capsys, *argv[:-1], "--json", "--prompt-logprobs", "1", argv[-1])

@@ -107,6 +107,17 @@ def test_stop_string_inside_a_kept_run(target, baseline):
         assert_accounting(result)
 
 
+def test_a_stop_token_id_ends_the_text_before_it(target, baseline):
+    stop = baseline.token_ids[9]
+    first = baseline.token_ids.index(stop)
+    for draft in (None, target, "ngram"):
+        result = generate(target, PROMPT, draft=draft, gamma=4, max_tokens=40, ignore_eos=True,
+                          stop_token_ids=[stop])
+        assert result.token_ids == baseline.token_ids[:first] and result.finish_reason == "stop"
+        if draft is target:  # every round drafted (a plain round that stops emits nothing)
+            assert_accounting(result)
+
+
 def test_streamed_text_never_shows_the_stop_string(target, baseline):
     stop = baseline.text[12:15]
     pieces, tail = [], None

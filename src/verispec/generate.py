@@ -11,7 +11,7 @@ Baseline decoding is the same loop with γ = 0: one target pass, one token.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -173,6 +173,12 @@ def _stop_strings(stop: str | Sequence[str] | None) -> list[str]:
     return list(stop)
 
 
+def _stop_token_ids(ids: Sequence[int]) -> set[int]:
+    if not isinstance(ids, (list, tuple, set)) or not all(is_whole(i) for i in ids):
+        raise VerispecError(f"stop token ids must be a list of token ids, not {_describe(ids)}")
+    return set(ids)
+
+
 def make_proposer(draft, target, ngram: tuple[int, int] = (3, 1), draft_vocab: int | str | None = "auto"
                   ) -> Proposer | None:
     """None (baseline), "ngram", a loaded draft model (proposing only the first ids and the
@@ -204,19 +210,22 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
            chat: bool = False, ignore_eos: bool = False, ngram: tuple[int, int] = (3, 1),
            draft_vocab: int | str | None = "auto", lookup: bool = True,
            logprobs: int | None = None, prompt_logprobs: int | None = None, presence_penalty: float = 0.0,
-           frequency_penalty: float = 0.0, repetition_penalty: float = 1.0) -> Iterator[Event]:
+           frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+           logit_bias: Mapping[int, float] | None = None, stop_token_ids: Sequence[int] = ()) -> Iterator[Event]:
     """Decode from `target` (a LoadedModel); with `draft`, speculatively. Yields Token events, then Finished.
     With `logprobs` (0 to MAX_TOP_LOGPROBS), every token carries the target's log-probability
     of it and of its `logprobs` most likely alternatives (`token_logprob`); with
     `prompt_logprobs`, a Prompt event first gives the same for every prompt token, given the
     tokens before it (what scoring a text needs; `max_tokens=0` then decodes nothing).
-    The penalties (`verispec.penalties`, as OpenAI and vLLM define them) change the target's
-    choices and a draft model's proposals, not the log-probabilities reported.
+    The logit bias ({id: -100 to 100}) and the penalties (`verispec.penalties`, as OpenAI and
+    vLLM define them) change the target's choices and a draft model's proposals, not the
+    log-probabilities reported.
     A draft model proposes only the first `draft_vocab` token ids and the context's; "auto"
     (the default) limits a vocabulary of more than 65,536 ids to the first 32,768, None keeps
     all (`draft_vocab_limit`). With
     `adaptive` (cost-aware) and a draft model, rounds may send prompt lookup's drafts in the
-    draft model's place where that promises more; `lookup=False` keeps to the draft model."""
+    draft model's place where that promises more; `lookup=False` keeps to the draft model.
+    `stop_token_ids` end the text as a stop string does, left out of it, `ignore_eos` or not."""
     if not is_whole(max_tokens, 0):
         raise VerispecError(f"max tokens must be a whole number >= 0, got {max_tokens!r}")
     if not is_whole(gamma, 0, MAX_GAMMA):
@@ -229,7 +238,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
             raise VerispecError(f"{name} must be a whole number from 0 to {MAX_TOP_LOGPROBS} (the alternatives "
                                 f"per token) or None, got {value!r}")
     params = SamplingParams(temperature, top_k, top_p, seed)
-    penalties = Penalties(presence_penalty, frequency_penalty, repetition_penalty)
+    penalties = Penalties(presence_penalty, frequency_penalty, repetition_penalty, logit_bias)
     stop = _stop_strings(stop)
     generator = params.generator() if not params.greedy else None
     tokenizer, model = target.tokenizer, target.model
@@ -237,7 +246,8 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     if not prompt_ids:
         raise VerispecError("the prompt is empty")
     vocab = target.config.vocab_size
-    outside = next((i for i in prompt_ids if not 0 <= i < vocab), None)
+    stop_ids = _stop_token_ids(stop_token_ids)
+    outside = next((i for i in [*prompt_ids, *dict(penalties.logit_bias), *stop_ids] if not 0 <= i < vocab), None)
     if outside is not None:
         raise VerispecError(f"token id {outside} is outside the model's vocabulary (0..{vocab - 1})")
     context_size = target.config.max_position_embeddings
@@ -270,6 +280,9 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
         for i, (token, kind) in enumerate(zip(tokens, kinds)):
             if token in eos_ids:
                 finish = "eos"
+                return
+            if token in stop_ids:
+                finish = "stop"
                 return
             piece, stopped = text.add(token)
             out_ids.append(token)

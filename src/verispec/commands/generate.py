@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
-from verispec.commands.options import (add_draft_vocab_option, add_model_options, finite_float, load_target_and_draft,
-                                       non_negative_float, non_negative_int, probability)
+from verispec.commands.options import (add_draft_vocab_option, add_model_options, finite_float, id_and_amount,
+                                       load_target_and_draft, non_negative_float, non_negative_int, probability)
 from verispec.events import MAX_TOP_LOGPROBS
 
 # how --show colours each token by origin (the seed's figure: kept drafts purple)
@@ -33,7 +33,11 @@ def register(sub) -> None:
     parser.add_argument("--repetition-penalty", type=finite_float, default=1.0,
                         help="divides the positive logits (multiplies the negative) of tokens in the prompt "
                              "or output; 1: none")
+    parser.add_argument("--logit-bias", type=id_and_amount, action="append", default=[], metavar="ID=AMOUNT",
+                        help="add AMOUNT (-100 to 100) to token ID's logit, as 13=-100 (repeatable)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--stop-token-id", type=non_negative_int, action="append", default=[], metavar="ID",
+                        help="a token id that ends the text as a stop string does (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     parser.add_argument("--logprobs", type=non_negative_int, default=None, metavar="N",
@@ -68,7 +72,8 @@ def run(args) -> int:
                     ignore_eos=args.ignore_eos, ngram=tuple(args.ngram), draft_vocab=args.draft_vocab,
                     lookup=not args.no_lookup, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
                     presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                    repetition_penalty=args.repetition_penalty)
+                    repetition_penalty=args.repetition_penalty, logit_bias=args.logit_bias,
+                    stop_token_ids=args.stop_token_id)
     console = Console(highlight=False)
     result = None
     for event in events:

@@ -37,6 +37,14 @@ def finite_float(text: str) -> float:
     return value
 
 
+def id_and_amount(text: str) -> tuple[int, float]:
+    """ID=AMOUNT, as --logit-bias takes it: 13=-100 rules token id 13 out."""
+    token, sep, amount = text.partition("=")
+    if not sep or not token.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=AMOUNT (as 13=-100), got {text!r}")
+    return int(token), finite_float(amount)
+
+
 def non_negative_float(text: str) -> float:
     value = finite_float(text)
     if value < 0:
