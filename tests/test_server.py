@@ -302,6 +302,81 @@ def test_penalties_answer_as_generate_does(client, spec_client, target):
         assert server.post("/v1/completions", json=request).json()["choices"][0]["text"] == expected.text
 
 
+def test_a_stop_token_id_ends_the_text_before_it(spec_client, target):
+    full = generate(target, PROMPT, max_tokens=16, ignore_eos=True)
+    stop = full.token_ids[6]
+    expected = generate(target, PROMPT, max_tokens=16, ignore_eos=True, stop_token_ids=[stop])
+    assert expected.token_ids == full.token_ids[:full.token_ids.index(stop)]
+    body = spec_client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 16, "temperature": 0,
+                                                     "ignore_eos": True, "stop_token_ids": [stop]}).json()
+    assert body["choices"][0]["text"] == expected.text
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == len(expected.token_ids)
+
+
+def test_logit_bias_answers_as_generate_does(client, spec_client, target):
+    plain = generate(target, PROMPT, max_tokens=12, ignore_eos=True)
+    bias = {plain.token_ids[0]: -100.0, plain.token_ids[5]: 3.0}
+    expected = generate(target, PROMPT, max_tokens=12, ignore_eos=True, logit_bias=bias)
+    assert plain.token_ids[0] not in expected.token_ids
+    request = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+               "logit_bias": {str(token): amount for token, amount in bias.items()}}
+    for server in (client, spec_client):
+        assert server.post("/v1/completions", json=request).json()["choices"][0]["text"] == expected.text
+
+
+def test_n_choices_are_the_seeds_one_after_another(client, spec_client, target):
+    request = {"prompt": PROMPT, "max_tokens": 10, "temperature": 1.0, "seed": 5, "ignore_eos": True, "n": 3,
+               "best_of": 3, "logprobs": 1}
+    for server in (client, spec_client):
+        # compared with the server's own single choices: its worker thread may sum in another order than this one
+        single = {**request, "n": 1, "best_of": 1}
+        expected = [server.post("/v1/completions", json={**single, "seed": 5 + i}).json()["choices"][0]["text"]
+                    for i in range(3)]
+        assert len(set(expected)) > 1
+        body = server.post("/v1/completions", json=request).json()
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+        assert [c["text"] for c in body["choices"]] == expected
+        assert all(c["logprobs"]["text_offset"][0] == 0 for c in body["choices"])  # each choice's own offsets
+        assert body["usage"]["completion_tokens"] == 30
+        assert body["usage"]["prompt_tokens"] == len(target.tokenizer.encode(PROMPT))
+    assert body["verispec"]["drafted"] > 0 and body["verispec"]["acceptance_rate"] == 1.0  # its own draft
+
+
+def test_n_choices_stream_by_index(spec_client):
+    request = {"max_tokens": 6, "temperature": 1.0, "seed": 11, "ignore_eos": True, "n": 2}
+    for url, body, key in (("/v1/completions", {"prompt": PROMPT, "echo": True}, "text"),
+                           ("/v1/chat/completions", {"messages": MESSAGES}, "content")):
+        whole = spec_client.post(url, json={**request, **body}).json()
+        chunks = sse_payloads(spec_client.post(url, json={**request, **body, "stream": True,
+                                                          "stream_options": {"include_usage": True}}))
+        assert chunks[-1] == "[DONE]" and chunks[-2]["usage"] == whole["usage"]
+        indices = [c["choices"][0]["index"] for c in chunks[:-2]]
+        assert indices == sorted(indices) and set(indices) == {0, 1}  # one choice after the other
+        for index, choice in enumerate(whole["choices"]):
+            parts = [c["choices"][0] for c in chunks[:-2] if c["choices"][0]["index"] == index]
+            texts = [p[key] if key == "text" else p["delta"].get("content") or "" for p in parts]
+            expected = choice["text"] if key == "text" else choice["message"]["content"]
+            assert "".join(texts) == expected
+            assert [p["finish_reason"] for p in parts][-1] == choice["finish_reason"]
+            if key == "content":
+                assert parts[0]["delta"]["role"] == "assistant"
+        # the whole response's counts are the choices' added up
+        finals = [c["verispec"] for c in chunks[:-2] if c["choices"][0]["finish_reason"]]
+        assert len(finals) == 2
+        for count in ("drafted", "accepted", "target_passes"):
+            assert whole["verispec"][count] == sum(f[count] for f in finals) > 0
+
+
+def test_seeds_of_later_choices_wrap_within_64_bits():
+    from verispec.sampling import SEED_MAX
+    from verispec.server.app import Job
+
+    job = Job([1], {"seed": SEED_MAX - 1}, choices=3)
+    assert [job.choice_options(i)["seed"] for i in range(3)] == [SEED_MAX - 1, SEED_MAX, 0]
+    assert Job([1], {"seed": None}, choices=2).choice_options(1)["seed"] is None
+
+
 def test_text_offsets_count_characters_not_bytes(target):
     from verispec.events import Logprob
     from verispec.server.responses import LogprobsShape
@@ -438,7 +513,9 @@ def assert_error(response, status: int, *fragments: str) -> dict:
     ({"prompt": PROMPT, "temperature": 2.5}, ["temperature", "less than or equal to 2"], "temperature"),
     ({"prompt": PROMPT, "temperature": -0.1}, ["temperature"], "temperature"),
     ({"prompt": PROMPT, "top_p": 0}, ["top_p", "greater than 0"], "top_p"),
-    ({"prompt": PROMPT, "n": 2}, ["only n=1"], "n"),
+    ({"prompt": PROMPT, "n": 0}, ["n", "greater than or equal to 1"], "n"),
+    ({"prompt": PROMPT, "n": 129}, ["n", "less than or equal to 128"], "n"),
+    ({"prompt": PROMPT, "n": 2, "best_of": 3}, ["best_of=3 is not supported"], None),
     ({"prompt": PROMPT, "seed": 99999999999999999999999}, ["seed", "less than or equal to 18446744073709551615"],
      "seed"),
     ({"prompt": PROMPT, "seed": -(2**63) - 1}, ["seed", "greater than or equal to -9223372036854775808"], "seed"),
@@ -449,7 +526,11 @@ def assert_error(response, status: int, *fragments: str) -> dict:
     ({"prompt": PROMPT, "presence_penalty": 2.5}, ["presence_penalty", "less than or equal to 2"],
      "presence_penalty"),
     ({"prompt": PROMPT, "repetition_penalty": 0}, ["repetition_penalty", "greater than 0"], "repetition_penalty"),
-    ({"prompt": PROMPT, "logit_bias": {"5": 3}}, ["logit_bias", "not supported"], None),
+    ({"prompt": PROMPT, "logit_bias": {"a": 3}}, ["logit_bias", "valid integer"], "logit_bias"),
+    ({"prompt": PROMPT, "logit_bias": {"5": 101}}, ["logit_bias", "less than or equal to 100"], "logit_bias"),
+    ({"prompt": PROMPT, "logit_bias": {"99999": 1}}, ["99999", "outside the model's vocabulary"], None),
+    ({"prompt": PROMPT, "stop_token_ids": [99999]}, ["99999", "outside the model's vocabulary"], None),
+    ({"prompt": PROMPT, "stop_token_ids": ["a"]}, ["stop_token_ids", "valid integer"], "stop_token_ids"),
     ({"prompt": [PROMPT, PROMPT]}, ["one prompt per request"], "prompt"),
     ({"prompt": PROMPT, "stop": 5}, ["stop must be a string or a list of strings"], "stop"),
     ({"prompt": 5}, ["prompt must be a string, a list of token ids"], "prompt"),
@@ -547,7 +628,7 @@ def test_unknown_endpoint_and_method(client):
 
 
 def test_server_still_answers_after_errors(client):
-    assert_error(client.post("/v1/completions", json={"prompt": PROMPT, "n": 3}), 400, "only n=1")
+    assert_error(client.post("/v1/completions", json={"prompt": PROMPT, "best_of": 3}), 400, "not supported")
     error = assert_error(client.post("/v1/completions", json={"prompt": "x" * 500, "stream": True}), 400,
                          "maximum context length")
     assert error["code"] == "context_length_exceeded"
@@ -615,8 +696,8 @@ def test_a_client_leaving_mid_stream_frees_the_model(target):
 
     async def leave_after_one_token():
         events = engine.events(job)
-        first = await events.__anext__()
-        assert engine.lock.locked()
+        index, first = await events.__anext__()
+        assert engine.lock.locked() and index == 0
         await events.aclose()
         return first
 

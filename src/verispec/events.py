@@ -102,11 +102,33 @@ class SpecStats:
         self.drafted_by_position[position] += 1
         self.accepted_by_position[position] += int(accepted)
 
+    @classmethod
+    def combined(cls, parts: list[SpecStats]) -> SpecStats:
+        """Several decodings' statistics as one: counts and times added, position by position
+        for the per-position counts; γ's in order."""
+        out = cls(draft_vocab=parts[0].draft_vocab if parts else None)
+        for part in parts:
+            for name in _ADDED_UP:
+                setattr(out, name, getattr(out, name) + getattr(part, name))
+            missing = len(part.drafted_by_position) - len(out.drafted_by_position)
+            out.drafted_by_position += [0] * missing
+            out.accepted_by_position += [0] * missing
+            for position, (accepted, drafted) in enumerate(zip(part.accepted_by_position,
+                                                               part.drafted_by_position)):
+                out.accepted_by_position[position] += accepted
+                out.drafted_by_position[position] += drafted
+            out.gammas.extend(part.gammas)
+        return out
+
     def to_dict(self) -> dict:
         out = asdict(self)
         out.update(acceptance_rate=self.acceptance_rate, tokens_per_pass=self.tokens_per_pass,
                    acceptance_by_position=self.acceptance_by_position)
         return out
+
+
+_ADDED_UP = ("rounds", "drafted", "accepted", "recovered", "bonus", "plain", "draft_s", "catch_up_s",
+             "lookup_drafted", "lookup_accepted", "verify_s")
 
 
 @dataclass

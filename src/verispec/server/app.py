@@ -1,8 +1,8 @@
 """An OpenAI-compatible HTTP API over one model, decoded plainly or speculatively.
 
-Every request runs `verispec.generate.stream`, one at a time (batch 1): the
-model sits behind a lock, and decoding runs in a worker thread so that the
-event loop keeps answering /health and /metrics meanwhile. Prompts are encoded
+Every request runs `verispec.generate.stream` once per choice, one request at
+a time (batch 1): the model sits behind a lock, and decoding runs in a worker
+thread so that the event loop keeps answering /health and /metrics meanwhile. Prompts are encoded
 and checked before a request queues for the model, so a user's mistake is a
 400 with OpenAI's error body, never a 500 or a half-sent stream.
 
@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from verispec.errors import ContextOverflowError, VerispecError
 from verispec.events import Event, Finished, GenerationResult, Logprob, Prompt, Token
 from verispec.generate import MAX_GAMMA, make_proposer, stream
+from verispec.sampling import SEED_MAX
 from verispec.server.metrics import ServerMetrics
 from verispec.server.responses import FINISH_REASONS, Echo, LogprobsShape, ResponseShape, error_body, sse
 from verispec.server.schemas import EXPECTED_SHAPES, ChatCompletionRequest, CompletionRequest, DecodingRequest
@@ -46,6 +47,16 @@ class Job:
     prompt_ids: list[int]
     options: dict[str, Any]
     echo: Echo | None = None  # the prompt, to answer before the completion
+    choices: int = 1  # completions of the prompt, decoded one after another
+
+    def choice_options(self, index: int) -> dict[str, Any]:
+        """The options of choice `index`: with a seed, choices take consecutive seeds (wrapping
+        within the 64 bits a seed may have), so that they differ from each other and repeat."""
+        seed = self.options.get("seed")
+        if index == 0 or seed is None:
+            return self.options
+        seed += index
+        return {**self.options, "seed": seed if seed <= SEED_MAX else seed - 2**64}
 
 
 class Engine:
@@ -109,6 +120,7 @@ class Engine:
             raise ContextOverflowError(
                 f"this model's maximum context length is {self.context_size} tokens, but the prompt has "
                 f"{len(prompt_ids)} tokens; shorten the prompt")
+        self._checked_ids([*(request.logit_bias or ()), *(request.stop_token_ids or ())])
         options = dict(
             max_tokens=max_tokens,  # stream() trims it to what the context has room for
             temperature=1.0 if request.temperature is None else request.temperature,
@@ -116,6 +128,7 @@ class Engine:
             top_k=max(request.top_k or 0, 0),
             seed=request.seed,
             stop=request.stop_strings,
+            stop_token_ids=request.stop_token_ids or (),
             ignore_eos=request.ignore_eos,
             draft=self.proposer,
             gamma=self.gamma,
@@ -125,8 +138,9 @@ class Engine:
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
             repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            logit_bias=request.logit_bias,
         )
-        return Job(prompt_ids, options)
+        return Job(prompt_ids, options, choices=request.n or 1)
 
     # -- decoding
     @asynccontextmanager
@@ -144,34 +158,37 @@ class Engine:
             self.metrics.running.dec()
             self.lock.release()
 
-    async def complete(self, job: Job) -> GenerationResult:
+    async def complete(self, job: Job) -> list[GenerationResult]:
+        """Every choice's result, in order."""
         async with self.turn():
-            return await anyio.to_thread.run_sync(self._run_to_end, job)
+            return [await anyio.to_thread.run_sync(self._run_to_end, job, index) for index in range(job.choices)]
 
-    def _run_to_end(self, job: Job) -> GenerationResult:
-        for event in stream(self.target, job.prompt_ids, **job.options):
+    def _run_to_end(self, job: Job, index: int) -> GenerationResult:
+        for event in stream(self.target, job.prompt_ids, **job.choice_options(index)):
             if isinstance(event, Finished):
                 self._record(event.result)
                 return event.result
         raise AssertionError("stream ended without a Finished event")
 
-    async def events(self, job: Job) -> AsyncIterator[Event]:
-        """The events of one request; the model is held until the last one (or the client leaves)."""
+    async def events(self, job: Job) -> AsyncIterator[tuple[int, Event]]:
+        """The events of one request, each with its choice's index, choice after choice; the
+        model is held until the last one (or the client leaves)."""
         async with self.turn():
-            events = stream(self.target, job.prompt_ids, **job.options)
-            finished, generated = False, 0
-            try:
-                while (event := await anyio.to_thread.run_sync(next, events, None)) is not None:
-                    if isinstance(event, Finished):
-                        finished = True
-                        self._record(event.result)
-                    elif isinstance(event, Token):
-                        generated += 1
-                    yield event
-            finally:
-                events.close()
-                if not finished:
-                    self.metrics.record_abort(len(job.prompt_ids), generated)
+            for index in range(job.choices):
+                events = stream(self.target, job.prompt_ids, **job.choice_options(index))
+                finished, generated = False, 0
+                try:
+                    while (event := await anyio.to_thread.run_sync(next, events, None)) is not None:
+                        if isinstance(event, Finished):
+                            finished = True
+                            self._record(event.result)
+                        elif isinstance(event, Token):
+                            generated += 1
+                        yield index, event
+                finally:
+                    events.close()
+                    if not finished:
+                        self.metrics.record_abort(len(job.prompt_ids), generated)
 
     def _record(self, result: GenerationResult) -> None:
         self.metrics.record(result, FINISH_REASONS[result.finish_reason])
@@ -224,36 +241,52 @@ def create_app(target, draft=None, gamma: int = 4, adaptive: bool | str = False,
 
 
 async def _answer(engine: Engine, job: Job, request: DecodingRequest, chat: bool) -> Response:
-    logprobs = LogprobsShape(engine.target.tokenizer, chat) if request.alternatives is not None else None
+    logprobs = None
+    if request.alternatives is not None:  # one per choice: each keeps its own text offsets
+        logprobs = [LogprobsShape(engine.target.tokenizer, chat) for _ in range(job.choices)]
     shape = ResponseShape(engine.name, chat, engine.draft_name, logprobs, job.echo)
     if request.stream:
         return StreamingResponse(_sse_stream(engine, job, shape, request.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    result = await engine.complete(job)
-    return JSONResponse(shape.full(result))
+    return JSONResponse(shape.full(await engine.complete(job)))
+
+
+def _opening(shape: ResponseShape, index: int) -> list[str]:
+    """What a choice's stream starts with: chat's role, a completion's echoed prompt (which,
+    with log-probabilities, waits for the prompt to be scored)."""
+    chunks = [sse(shape.chunk("", role=True, index=index))] if shape.chat else []
+    if shape.echo is not None and shape.logprobs is None:
+        chunks.append(sse(shape.chunk(shape.echo.text, index=index)))
+    return chunks
 
 
 async def _sse_stream(engine: Engine, job: Job, shape: ResponseShape, include_usage: bool) -> AsyncIterator[str]:
-    if shape.chat:
-        yield sse(shape.chunk("", role=True))
-    if shape.echo is not None and shape.logprobs is None:
-        yield sse(shape.chunk(shape.echo.text))
+    for chunk in _opening(shape, 0):  # sent at once, before the model is free
+        yield chunk
+    opened, results = 0, []
     unsent: list[tuple[int, Logprob]] = []  # log-probabilities of tokens whose text is not sent yet
     try:
-        async for event in engine.events(job):
+        async for index, event in engine.events(job):
+            if index != opened:
+                opened = index
+                for chunk in _opening(shape, index):
+                    yield chunk
             if isinstance(event, Prompt):  # echo with log-probabilities: the prompt's come first
-                yield sse(shape.chunk(shape.echo.text, tokens=list(zip(event.token_ids, event.logprobs))))
+                yield sse(shape.chunk(shape.echo.text, tokens=list(zip(event.token_ids, event.logprobs)),
+                                      index=index))
                 continue
             if isinstance(event, Finished):
-                yield sse(shape.final_chunk(event.result, event.tail, unsent))
-                if include_usage:
-                    yield sse(shape.usage_chunk(event.result))
+                yield sse(shape.final_chunk(event.result, event.tail, unsent, index=index))
+                unsent = []
+                results.append(event.result)
                 continue
             if event.logprob is not None:
                 unsent.append((event.token_id, event.logprob))
             if event.text:  # a token whose text is still incomplete sends nothing yet
-                yield sse(shape.chunk(event.text, tokens=unsent))
+                yield sse(shape.chunk(event.text, tokens=unsent, index=index))
                 unsent = []
+        if include_usage:
+            yield sse(shape.usage_chunk(results))
     except VerispecError as exc:  # the status line is already sent: report it in the stream
         yield sse(error_body(str(exc), 400))
     except Exception as exc:  # a bug: log it here, and tell the client in one line

@@ -10,26 +10,30 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from verispec.events import GenerationResult, Logprob
+from verispec.events import GenerationResult, Logprob, SpecStats
 
 # verispec's reasons -> OpenAI's: the end-of-text token and a stop string are both "stop"
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
-def usage(result: GenerationResult) -> dict[str, int]:
-    completion = len(result.token_ids)
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": result.prompt_tokens + completion}
+def usage(results: Sequence[GenerationResult]) -> dict[str, int]:
+    """One request's tokens: its prompt once, every choice's completion."""
+    prompt, completion = results[0].prompt_tokens, sum(len(r.token_ids) for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def decoding_summary(result: GenerationResult, draft: str | None) -> dict[str, Any]:
-    """Timings, and for speculative decoding what the target kept of the drafts."""
-    t = result.timings
-    out: dict[str, Any] = {"draft": draft, "prefill_s": round(t.prefill_s, 4), "decode_s": round(t.decode_s, 4),
-                           "tokens_per_s": round(t.tokens_per_s, 2)}
-    spec = result.spec
-    if spec is None:
+def decoding_summary(result: GenerationResult | Sequence[GenerationResult], draft: str | None) -> dict[str, Any]:
+    """Timings, and for speculative decoding what the target kept of the drafts; of several
+    choices, the sums of their counts and times and the rates of those sums."""
+    parts = [result] if isinstance(result, GenerationResult) else list(result)
+    prefill_s, decode_s = sum(r.timings.prefill_s for r in parts), sum(r.timings.decode_s for r in parts)
+    after_first = sum(max(len(r.token_ids) - 1, 0) for r in parts)
+    tokens_per_s = after_first / decode_s if decode_s > 0 else 0.0  # as Timings.tokens_per_s has it
+    out: dict[str, Any] = {"draft": draft, "prefill_s": round(prefill_s, 4), "decode_s": round(decode_s, 4),
+                           "tokens_per_s": round(tokens_per_s, 2)}
+    if parts[0].spec is None:
         return out
+    spec = parts[0].spec if len(parts) == 1 else SpecStats.combined([r.spec for r in parts])
     drafting_rounds = [g for g in spec.gammas if g > 0]
     out.update(
         acceptance_rate=round(spec.acceptance_rate, 4),
@@ -121,7 +125,7 @@ class ResponseShape:
     model: str
     chat: bool
     draft: str | None = None
-    logprobs: LogprobsShape | None = None  # when the request asks for log-probabilities
+    logprobs: list[LogprobsShape] | None = None  # one per choice, when the request asks for log-probabilities
     echo: Echo | None = None  # when a completion asks for its prompt before its text
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
@@ -132,8 +136,15 @@ class ResponseShape:
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def full(self, result: GenerationResult) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+    def full(self, results: Sequence[GenerationResult]) -> dict[str, Any]:
+        body = self._envelope("chat.completion" if self.chat else "text_completion",
+                              [self._choice(index, result) for index, result in enumerate(results)])
+        body["usage"] = usage(results)
+        body["verispec"] = decoding_summary(results, self.draft)
+        return body
+
+    def _choice(self, index: int, result: GenerationResult) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": result.text}
         else:
@@ -143,18 +154,15 @@ class ResponseShape:
             ids, values = result.token_ids, result.logprobs
             if self.echo is not None and result.prompt_logprobs is not None:
                 ids, values = [*self.echo.ids, *ids], [*result.prompt_logprobs, *values]
-            logprobs = self.logprobs.body(ids, values)
+            logprobs = self.logprobs[index].body(ids, values)
         choice.update(logprobs=logprobs, finish_reason=FINISH_REASONS[result.finish_reason])
-        body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
-        body["usage"] = usage(result)
-        body["verispec"] = decoding_summary(result, self.draft)
-        return body
+        return choice
 
     def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
-              tokens: Sequence[tuple[int, Logprob | None]] = ()) -> dict[str, Any]:
-        """A streamed piece: a delta for chat, a text piece for completions; with the
-        log-probabilities of `tokens` (id, logprob), those whose text it carries."""
-        choice: dict[str, Any] = {"index": 0}
+              tokens: Sequence[tuple[int, Logprob | None]] = (), index: int = 0) -> dict[str, Any]:
+        """A streamed piece of choice `index`: a delta for chat, a text piece for completions;
+        with the log-probabilities of `tokens` (id, logprob), those whose text it carries."""
+        choice: dict[str, Any] = {"index": index}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
@@ -164,18 +172,18 @@ class ResponseShape:
             choice["text"] = text or ""
         logprobs = None
         if self.logprobs is not None and tokens:
-            logprobs = self.logprobs.body([i for i, _ in tokens], [lp for _, lp in tokens])
+            logprobs = self.logprobs[index].body([i for i, _ in tokens], [lp for _, lp in tokens])
         choice.update(logprobs=logprobs, finish_reason=finish_reason)
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
     def final_chunk(self, result: GenerationResult, tail: str,
-                    tokens: Sequence[tuple[int, Logprob]] = ()) -> dict[str, Any]:
+                    tokens: Sequence[tuple[int, Logprob]] = (), index: int = 0) -> dict[str, Any]:
         body = self.chunk(tail if tail or not self.chat else None, FINISH_REASONS[result.finish_reason],
-                          tokens=tokens)
+                          tokens=tokens, index=index)
         body["verispec"] = decoding_summary(result, self.draft)
         return body
 
-    def usage_chunk(self, result: GenerationResult) -> dict[str, Any]:
+    def usage_chunk(self, results: Sequence[GenerationResult]) -> dict[str, Any]:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
-        body["usage"] = usage(result)
+        body["usage"] = usage(results)
         return body

@@ -1,27 +1,28 @@
 """Request bodies of the OpenAI-compatible API, validated by pydantic.
 
 Unknown fields are ignored, as OpenAI's own clients send many. Fields that
-would change the answer in ways verispec does not implement (n > 1, echo on
-chat, logit_bias, tools, ...) are refused with a clear message rather than silently
+would change the answer in ways verispec does not implement (best_of, echo on
+chat, tools, ...) are refused with a clear message rather than silently
 dropped; their neutral values (null, 0, false, 1, the default) are accepted.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from verispec.events import MAX_TOP_LOGPROBS
-from verispec.penalties import MAX_ADDITIVE
+from verispec.penalties import MAX_ADDITIVE, MAX_BIAS
 from verispec.sampling import SEED_MAX, SEED_MIN
+
+MAX_CHOICES = 128  # as OpenAI's chat API allows
 
 # field -> the values that ask for nothing beyond plain decoding
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
     "min_tokens": (None, 0),
     "tools": (None, []),
     "functions": (None, []),
@@ -52,24 +53,22 @@ class DecodingRequest(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)  # vLLM's extension; 0 or -1 turns it off
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    n: int | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's extension: ids that end the text as a stop string does
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)  # completions of the prompt, one after another
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension: decode past the end-of-text token
     presence_penalty: float | None = Field(default=None, ge=-MAX_ADDITIVE, le=MAX_ADDITIVE)
     frequency_penalty: float | None = Field(default=None, ge=-MAX_ADDITIVE, le=MAX_ADDITIVE)
     repetition_penalty: float | None = Field(default=None, gt=0)  # vLLM's extension; 1 is none
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int | None) -> int | None:
-        if n not in (None, 1):
-            raise ValueError(f"only n=1 is supported (verispec decodes one sequence per request), got {n}")
-        return n
+    # token id (a JSON key, so a string of digits) -> the amount added to its logit
+    logit_bias: dict[int, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> "DecodingRequest":
         for name, value in (self.model_extra or {}).items():
+            if name == "best_of" and value == self.n:  # the best n of n: all of them
+                continue
             if name in NEUTRAL_VALUES and value not in NEUTRAL_VALUES[name]:
                 raise ValueError(f"{name}={value!r} is not supported by this server; leave it out")
         return self
