@@ -1,10 +1,12 @@
-"""What penalties on repeating cost speculative decoding: acceptance and speed-up with and
-without them, the output audited against plain decoding with the same penalties.
+"""What penalties on repeating and a logit bias cost speculative decoding: acceptance and
+speed-up with and without them, the output audited against plain decoding with the same ones.
 
     python benchmarks/penalties.py                       # coding and writing, 3 prompts each
     python benchmarks/penalties.py --categories coding --prompts 2 --gamma 4
+    python benchmarks/penalties.py --settings none "no code fences"
 
-The target's choices are penalised (presence, frequency, repetition: `verispec.penalties`),
+The target's choices are penalised (presence, frequency, repetition: `verispec.penalties`;
+"no code fences" biases every token holding ``` by -100, so Markdown fences never appear),
 and so are the draft's, so that it proposes what the penalised target would pick. Against
 that, a draft that ignores the penalties: every draft of a token they push down is a likely
 rejection. For each prompt and setting: plain decoding, speculative decoding with the
@@ -34,7 +36,13 @@ SETTINGS = {
     "presence 0.5": {"presence_penalty": 0.5},
     "frequency 0.5": {"frequency_penalty": 0.5},
     "repetition 1.1": {"repetition_penalty": 1.1},
+    "no code fences": {},  # its logit_bias depends on the tokenizer: see fence_ban
 }
+
+
+def fence_ban(tokenizer) -> dict[int, float]:
+    """-100 on every token whose text holds a Markdown code fence."""
+    return {i: -100.0 for i in range(tokenizer.vocab_size) if b"```" in tokenizer.token_bytes(i)}
 
 
 def main() -> int:
@@ -44,6 +52,8 @@ def main() -> int:
     parser.add_argument("--gamma", type=int, default=5)
     parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
+                        help="which to run; 'none' (the answers the others change) always runs")
     args = parser.parse_args()
 
     from verispec.generate import generate
@@ -51,17 +61,21 @@ def main() -> int:
     from verispec.spec.draft_model import DraftModelProposer, pair_vocab_limit
 
     target, draft, record = load_pair(args, "penalties", f"γ = {args.gamma}, {args.tokens} tokens, greedy")
-    record.update(gamma=args.gamma, tokens=args.tokens, categories={})
+    settings = {name: dict(options) for name, options in SETTINGS.items() if name == "none" or name in args.settings}
+    if "no code fences" in settings:
+        settings["no code fences"]["logit_bias"] = fence_ban(target.tokenizer)
+        print(f"  no code fences: {len(settings['no code fences']['logit_bias'])} token ids biased by -100")
+    record.update(gamma=args.gamma, tokens=args.tokens, categories={}, settings=list(settings))
     limit = pair_vocab_limit("auto", draft, target)
     drafts = {"penalised draft": lambda: DraftModelProposer(draft, vocab_limit=limit),
               "unpenalised draft": lambda: unpenalised(DraftModelProposer)(draft, vocab_limit=limit)}
     all_valid = True
     for category in args.categories:
         prompts = load_prompts(f"spec-bench:{category}", limit=args.prompts)
-        totals = {f"{name}, {kind}": pair_totals(valid=True, changed=0) for name in SETTINGS for kind in drafts}
+        totals = {f"{name}, {kind}": pair_totals(valid=True, changed=0) for name in settings for kind in drafts}
         for prompt in prompts:
             unpenalised_answer = None
-            for name, penalties in SETTINGS.items():
+            for name, penalties in settings.items():
                 options = dict(chat=True, max_tokens=args.tokens, **penalties)
                 before = generate(target, prompt.text, **options)
                 specs = {kind: generate(target, prompt.text, draft=make(), gamma=args.gamma, **options)
