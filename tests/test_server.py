@@ -329,7 +329,7 @@ def test_n_choices_are_the_seeds_one_after_another(client, spec_client, target):
     request = {"prompt": PROMPT, "max_tokens": 10, "temperature": 1.0, "seed": 5, "ignore_eos": True, "n": 3,
                "best_of": 3, "logprobs": 1}
     for server in (client, spec_client):
-        # compared with the server's own single choices: its worker thread may sum in another order than this one
+        # compared with the server's own single choices: speculative sampling draws other random numbers
         single = {**request, "n": 1, "best_of": 1}
         expected = [server.post("/v1/completions", json={**single, "seed": 5 + i}).json()["choices"][0]["text"]
                     for i in range(3)]
