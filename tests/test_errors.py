@@ -260,6 +260,8 @@ def test_nan_and_inf_option_values_are_refused_when_parsed(folder, capsys, argv,
     ({"stop_token_ids": [3, "a"]}, "stop token ids must be a list of token ids"),
     ({"stop_token_ids": 3}, "stop token ids must be a list of token ids"),
     ({"stop_token_ids": [99999]}, "token id 99999 is outside the model's vocabulary"),
+    ({"min_tokens": 3}, "min tokens must be a whole number from 0 to max tokens"),
+    ({"min_tokens": -1}, "min tokens must be a whole number from 0 to max tokens"),
 ])
 def test_api_arguments_of_the_wrong_kind_are_named(folder, options, message):
     from verispec.errors import VerispecError

@@ -761,7 +761,7 @@ def test_generate_json_carries_logprobs_when_asked(models, capsys):
     assert code == 1 and "--logprobs takes 0 to 20" in out
 
 
-def test_generate_takes_a_logit_bias_and_stop_token_ids(models, loaded, capsys):
+def test_generate_takes_a_logit_bias_stop_token_ids_and_min_tokens(models, loaded, capsys):
     from verispec.generate import generate
 
     argv = ["generate", "--model", models / "target", "--draft", models / "other", "-n", "6", "--ignore-eos",
@@ -778,6 +778,10 @@ def test_generate_takes_a_logit_bias_and_stop_token_ids(models, loaded, capsys):
     assert code == 1 and "names a token id twice" in out
     code, out = run_cli(capsys, *argv[:-1], "--logit-bias", "7=100", "--stop-token-id", "7", argv[-1])
     assert code == 0 and json.loads(out)["token_ids"] == [] and json.loads(out)["finish_reason"] == "stop"
+    code, out = run_cli(capsys, *argv[:-1], "--logit-bias", "7=100", "--stop-token-id", "7", "--min-tokens", "3",
+                        argv[-1])
+    held = json.loads(out)
+    assert code == 0 and len(held["token_ids"]) == 3 and 7 not in held["token_ids"] and held["finish_reason"] == "stop"
 
 
 def test_generate_scores_a_prompt_with_no_tokens(models, capsys):

@@ -314,6 +314,18 @@ def test_a_stop_token_id_ends_the_text_before_it(spec_client, target):
     assert body["usage"]["completion_tokens"] == len(expected.token_ids)
 
 
+def test_min_tokens_holds_off_a_stop_token(spec_client, target):
+    full = generate(target, PROMPT, max_tokens=16, ignore_eos=True)
+    stop = full.token_ids[2]
+    request = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stop_token_ids": [stop]}
+    early = spec_client.post("/v1/completions", json=request).json()
+    held = spec_client.post("/v1/completions", json={**request, "min_tokens": 8}).json()
+    assert early["usage"]["completion_tokens"] == full.token_ids.index(stop)
+    assert held["usage"]["completion_tokens"] >= 8
+    assert held["choices"][0]["text"] == generate(target, PROMPT, max_tokens=16, ignore_eos=True,
+                                                  stop_token_ids=[stop], min_tokens=8).text
+
+
 def test_logit_bias_answers_as_generate_does(client, spec_client, target):
     plain = generate(target, PROMPT, max_tokens=12, ignore_eos=True)
     bias = {plain.token_ids[0]: -100.0, plain.token_ids[5]: 3.0}
@@ -531,6 +543,8 @@ def assert_error(response, status: int, *fragments: str) -> dict:
     ({"prompt": PROMPT, "logit_bias": {"99999": 1}}, ["99999", "outside the model's vocabulary"], None),
     ({"prompt": PROMPT, "stop_token_ids": [99999]}, ["99999", "outside the model's vocabulary"], None),
     ({"prompt": PROMPT, "stop_token_ids": ["a"]}, ["stop_token_ids", "valid integer"], "stop_token_ids"),
+    ({"prompt": PROMPT, "min_tokens": -1}, ["min_tokens", "greater than or equal to 0"], "min_tokens"),
+    ({"prompt": PROMPT, "min_tokens": 20}, ["min_tokens (20) is more than max_tokens (16)"], None),
     ({"prompt": [PROMPT, PROMPT]}, ["one prompt per request"], "prompt"),
     ({"prompt": PROMPT, "stop": 5}, ["stop must be a string or a list of strings"], "stop"),
     ({"prompt": 5}, ["prompt must be a string, a list of token ids"], "prompt"),

@@ -89,6 +89,31 @@ def test_eos_inside_a_kept_run_ends_where_baseline_ends(target, baseline):
         assert_accounting(result)
 
 
+def test_nothing_ends_the_text_before_min_tokens(target, baseline):
+    """The end-of-text token, a stop token id and a stop string all come before token 12; with
+    min_tokens=12 none of them ends the text there, plainly or speculatively."""
+    eos, stop_id = baseline.token_ids[2], baseline.token_ids[5]
+    model = dataclasses.replace(target, tokenizer=_with_eos(target.tokenizer, eos))
+    options = dict(max_tokens=30, stop_token_ids=[stop_id], stop=[baseline.text[4:6]])
+    assert generate(model, PROMPT, **options).token_ids == baseline.token_ids[:2]
+    plain = generate(model, PROMPT, min_tokens=12, **options)
+    assert len(plain.token_ids) >= 12 and not {eos, stop_id} & set(plain.token_ids[:12])
+    # the first 12 are the target's choices with the two ids ruled out, and no stop string cut them
+    ruled_out = generate(target, PROMPT, max_tokens=12, ignore_eos=True, logit_bias={eos: -100, stop_id: -100})
+    assert plain.token_ids[:12] == ruled_out.token_ids
+    for draft in (model, "ngram"):
+        result = generate(model, PROMPT, draft=draft, gamma=4, min_tokens=12, **options)
+        assert result.token_ids == plain.token_ids and result.finish_reason == plain.finish_reason
+    for draft in (None, model):  # sampled, the two ids made likely: none before token 12, then soon
+        lengths = []
+        for seed in range(5):
+            sampled = generate(model, PROMPT, draft=draft, gamma=4, min_tokens=12, temperature=1.5, top_p=0.9,
+                               seed=seed, logit_bias={eos: 8.0, stop_id: 8.0}, **options)
+            assert len(sampled.token_ids) >= 12 and not {eos, stop_id} & set(sampled.token_ids[:12])
+            lengths.append(len(sampled.token_ids))
+        assert min(lengths) == 12
+
+
 def _with_eos(tokenizer, eos):
     clone = type(tokenizer).__new__(type(tokenizer))
     clone.__dict__.update(tokenizer.__dict__)

@@ -64,11 +64,13 @@ class TextAssembler:
     at the tokens settled one step earlier, and what the newest tokens add to their text is
     the new text (as in vLLM's incremental detokenizer). Text that could still grow into a
     stop string is held back, so a stop string spanning several tokens is never printed.
+    Stop strings are looked for once `min_tokens` tokens are in, in the text not handed out.
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str]):
+    def __init__(self, tokenizer, stop: Sequence[str], min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.min_tokens = min_tokens
         self.ids: list[int] = []
         self.window = 0  # ids[window:] are decoded together
         self.settled = 0  # ids[:settled] have given their text
@@ -101,7 +103,7 @@ class TextAssembler:
         # Every stop string found so far ended the text, so one found now lies in what was
         # held back (which holds every tail that is the start of a stop string) and the new text.
         unsent = self.held + new
-        for s in self.stop:
+        for s in self.stop if len(self.ids) >= self.min_tokens else ():
             at = unsent.find(s)
             if at != -1:
                 self.stopped = True
@@ -211,7 +213,8 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
            draft_vocab: int | str | None = "auto", lookup: bool = True,
            logprobs: int | None = None, prompt_logprobs: int | None = None, presence_penalty: float = 0.0,
            frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-           logit_bias: Mapping[int, float] | None = None, stop_token_ids: Sequence[int] = ()) -> Iterator[Event]:
+           logit_bias: Mapping[int, float] | None = None, stop_token_ids: Sequence[int] = (),
+           min_tokens: int = 0) -> Iterator[Event]:
     """Decode from `target` (a LoadedModel); with `draft`, speculatively. Yields Token events, then Finished.
     With `logprobs` (0 to MAX_TOP_LOGPROBS), every token carries the target's log-probability
     of it and of its `logprobs` most likely alternatives (`token_logprob`); with
@@ -225,9 +228,14 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     all (`draft_vocab_limit`). With
     `adaptive` (cost-aware) and a draft model, rounds may send prompt lookup's drafts in the
     draft model's place where that promises more; `lookup=False` keeps to the draft model.
-    `stop_token_ids` end the text as a stop string does, left out of it, `ignore_eos` or not."""
+    `stop_token_ids` end the text as a stop string does, left out of it, `ignore_eos` or not.
+    Before `min_tokens` tokens, nothing ends the text: the end-of-text and stop token ids are
+    ruled out of the target's choices and stop strings are not looked for (as vLLM has it)."""
     if not is_whole(max_tokens, 0):
         raise VerispecError(f"max tokens must be a whole number >= 0, got {max_tokens!r}")
+    if not is_whole(min_tokens, 0, max_tokens):
+        raise VerispecError(f"min tokens must be a whole number from 0 to max tokens ({max_tokens}), "
+                            f"got {min_tokens!r}")
     if not is_whole(gamma, 0, MAX_GAMMA):
         raise VerispecError(f"gamma must be a whole number from 0 to {MAX_GAMMA}, got {gamma!r}")
     if draft_vocab not in (None, "auto") and not is_whole(draft_vocab, 1):
@@ -266,8 +274,9 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     penalty = PenaltyState(penalties, prompt_ids) if penalties.active else None
     if hasattr(proposer, "penalty"):
         proposer.penalty = penalty  # a draft model proposes under the target's penalties
-    text = TextAssembler(tokenizer, stop)
+    text = TextAssembler(tokenizer, stop, min_tokens)
     eos_ids = set() if ignore_eos else tokenizer.eos_ids
+    not_yet = EndsHeldOff(min_tokens, eos_ids | stop_ids, device)
     out_ids: list[int] = []
     origins: list[str] = []
     out_logprobs: list[Logprob] | None = [] if logprobs is not None else None
@@ -303,7 +312,8 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     started = time.perf_counter()
     cache = model.new_cache(max_len)
     logits, scored_prompt = _prefill(model, prompt_ids, cache, device, prompt_logprobs)
-    first = next_token(penalty.apply(logits[None], [])[0] if penalty else logits, params, generator)
+    first = next_token(not_yet.apply(penalty.apply(logits[None], []) if penalty else logits[None], 0)[0],
+                       params, generator)
     prefill_s = time.perf_counter() - started
     stats.rounds, stats.plain = 1, 1
     stats.gammas.append(0)
@@ -351,6 +361,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
         feed = torch.tensor([[context[-1], *drafts]], device=device)
         logits = model(feed, cache)[0]
         choices = penalty.apply(logits, drafts) if penalty else logits  # logprobs report the raw rows
+        choices = not_yet.apply(choices, len(out_ids))
         if params.greedy:
             verdict = verify_greedy(choices, drafts)
         else:
@@ -385,6 +396,24 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     result = GenerationResult(text.text, out_ids, origins, len(prompt_ids), finish, timings,
                               stats if proposer is not None else None, out_logprobs, scored_prompt)
     yield Finished(result, tail=tail)
+
+
+class EndsHeldOff:
+    """min_tokens: the ids that end the text ruled out of the rows that choose tokens before it.
+    Row i of a pass at output position p chooses token p + i; a plain step's row and a
+    verification row at one position are masked alike, so speculation keeps the output."""
+
+    def __init__(self, min_tokens: int, end_ids: set[int], device: torch.device):
+        self.min_tokens = min_tokens
+        self.columns = torch.tensor(sorted(end_ids), dtype=torch.long, device=device)
+
+    def apply(self, rows: torch.Tensor, position: int) -> torch.Tensor:
+        early = min(rows.shape[0], self.min_tokens - position)
+        if early <= 0 or not self.columns.numel():
+            return rows
+        rows = rows.clone()
+        rows[:early, self.columns] = float("-inf")
+        return rows
 
 
 def _prefill(model, prompt_ids: list[int], cache, device: torch.device, top: int | None

@@ -21,6 +21,8 @@ def register(sub) -> None:
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     parser.add_argument("--max-tokens", "-n", type=non_negative_int, default=128,
                         help="tokens to generate (0 with --prompt-logprobs: score the prompt alone)")
+    parser.add_argument("--min-tokens", type=non_negative_int, default=0,
+                        help="tokens before the end-of-text token, a stop token or a stop string may end the text")
     parser.add_argument("--temperature", "-t", type=non_negative_float, default=0.0,
                         help="0 (default) decodes greedily")
     parser.add_argument("--top-k", type=non_negative_int, default=0)
@@ -73,7 +75,7 @@ def run(args) -> int:
                     lookup=not args.no_lookup, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
                     presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                     repetition_penalty=args.repetition_penalty, logit_bias=args.logit_bias,
-                    stop_token_ids=args.stop_token_id)
+                    stop_token_ids=args.stop_token_id, min_tokens=args.min_tokens)
     console = Console(highlight=False)
     result = None
     for event in events:

@@ -121,6 +121,8 @@ class Engine:
                 f"this model's maximum context length is {self.context_size} tokens, but the prompt has "
                 f"{len(prompt_ids)} tokens; shorten the prompt")
         self._checked_ids([*(request.logit_bias or ()), *(request.stop_token_ids or ())])
+        if (request.min_tokens or 0) > max_tokens:
+            raise VerispecError(f"min_tokens ({request.min_tokens}) is more than max_tokens ({max_tokens})")
         options = dict(
             max_tokens=max_tokens,  # stream() trims it to what the context has room for
             temperature=1.0 if request.temperature is None else request.temperature,
@@ -129,6 +131,7 @@ class Engine:
             seed=request.seed,
             stop=request.stop_strings,
             stop_token_ids=request.stop_token_ids or (),
+            min_tokens=request.min_tokens or 0,
             ignore_eos=request.ignore_eos,
             draft=self.proposer,
             gamma=self.gamma,

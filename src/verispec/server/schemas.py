@@ -23,7 +23,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
-    "min_tokens": (None, 0),
     "tools": (None, []),
     "functions": (None, []),
     "response_format": (None, {"type": "text"}),
@@ -54,6 +53,7 @@ class DecodingRequest(BaseModel):
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM's extension: ids that end the text as a stop string does
+    min_tokens: int | None = Field(default=None, ge=0)  # vLLM's extension: nothing ends the text before these
     n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)  # completions of the prompt, one after another
     stream: bool = False
     stream_options: StreamOptions | None = None
