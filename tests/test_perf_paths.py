@@ -667,6 +667,18 @@ def test_passes_read_as_pairs_of_panels_give_the_rows_of_single_steps():
         k.pass_pair_rows("q5_k")
 
 
+@pytest.mark.skipif(kernels.cpu_kernels() is None, reason="no kernels on this machine")
+def test_a_build_killed_midway_does_not_hang_the_next_start():
+    """PyTorch marks a build in progress with a `lock` file in the build folder and waits while
+    one is there; a build killed midway leaves it. The next start clears it and loads."""
+    name = kernels.module_name(kernels._SOURCE, "verispec_cpu", kernels._FLAGS)
+    leftover = kernels.build_folder(name) / "lock"
+    leftover.touch()
+    loads = "from verispec import kernels; assert kernels.compile_source(kernels._SOURCE) is not None"
+    subprocess.run([sys.executable, "-c", loads], check=True, timeout=300)
+    assert not leftover.exists()
+
+
 # On an AVX2 processor the usual build is the AVX2 one, and the tests above already run it;
 # with AVX-512 they never do, so these build it apart.
 needs_avx512 = pytest.mark.skipif(kernels.cpu_kernels() is None or torch.backends.cpu.get_cpu_capability() != "AVX512",

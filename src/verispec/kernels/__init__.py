@@ -1,4 +1,5 @@
-"""Hand-written CPU kernels (cpu_kernels.cpp), compiled for this processor on first use.
+"""Hand-written CPU kernels (cpu_kernels.cpp), compiled for this processor on first use
+into verispec's cache folder ($XDG_CACHE_HOME/verispec/kernels, ~/.cache by default).
 
 Everything that uses them has a plain PyTorch path, taken when the kernels are switched
 off (`VERISPEC_KERNELS=0` or `set_enabled(False)`), when the compiler is missing or the
@@ -16,6 +17,11 @@ import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
+
+try:
+    import fcntl
+except ImportError:  # not a POSIX system: builds are not serialised
+    fcntl = None
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
@@ -62,10 +68,42 @@ def compile_source(source: Path, prefix: str = "verispec_cpu", extra_flags: Sequ
     from torch.utils.cpp_extension import load
 
     flags = _FLAGS + list(extra_flags)
+    name = module_name(source, prefix, flags)
+    folder = build_folder(name)
+    with _one_build_at_a_time(folder):
+        return load(name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                    build_directory=str(folder), verbose=False)
+
+
+def module_name(source: Path, prefix: str, flags: Sequence[str]) -> str:
     digest = hashlib.sha1(source.read_bytes() + " ".join(flags).encode()
                           + _cpu_signature().encode()).hexdigest()[:12]
-    return load(name=f"{prefix}_{digest}", sources=[str(source)], extra_cflags=flags,
-                extra_ldflags=["-fopenmp"], verbose=False)
+    return f"{prefix}_{digest}"
+
+
+def build_folder(name: str) -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    folder = cache / "verispec" / "kernels" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@contextlib.contextmanager
+def _one_build_at_a_time(folder: Path) -> Iterator[None]:
+    """Hold a lock on the build folder that the system drops if this process dies. PyTorch
+    marks a build in progress with a `lock` file and waits for ever while one is there, so a
+    build killed midway (Ctrl-C on the first run) would hang every later start; holding our
+    lock, no build is in progress, and a `lock` file found is such a leftover."""
+    if fcntl is None:
+        yield
+        return
+    with open(folder / "verispec.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (folder / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @functools.cache
