@@ -246,7 +246,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
             raise VerispecError(f"{name} must be a whole number from 0 to {MAX_TOP_LOGPROBS} (the alternatives "
                                 f"per token) or None, got {value!r}")
     params = SamplingParams(temperature, top_k, top_p, seed)
-    penalties = Penalties(presence_penalty, frequency_penalty, repetition_penalty, logit_bias)
+    penalties = Penalties(presence_penalty, frequency_penalty, repetition_penalty, logit_bias, min_tokens)
     stop = _stop_strings(stop)
     generator = params.generator() if not params.greedy else None
     tokenizer, model = target.tokenizer, target.model
@@ -271,12 +271,11 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     device = next(model.parameters()).device
 
     stats = SpecStats(draft_vocab=getattr(proposer, "limited_to", None))
-    penalty = PenaltyState(penalties, prompt_ids) if penalties.active else None
+    eos_ids = set() if ignore_eos else tokenizer.eos_ids
+    penalty = PenaltyState(penalties, prompt_ids, eos_ids | stop_ids) if penalties.active else None
     if hasattr(proposer, "penalty"):
         proposer.penalty = penalty  # a draft model proposes under the target's penalties
     text = TextAssembler(tokenizer, stop, min_tokens)
-    eos_ids = set() if ignore_eos else tokenizer.eos_ids
-    not_yet = EndsHeldOff(min_tokens, eos_ids | stop_ids, device)
     out_ids: list[int] = []
     origins: list[str] = []
     out_logprobs: list[Logprob] | None = [] if logprobs is not None else None
@@ -312,8 +311,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     started = time.perf_counter()
     cache = model.new_cache(max_len)
     logits, scored_prompt = _prefill(model, prompt_ids, cache, device, prompt_logprobs)
-    first = next_token(not_yet.apply(penalty.apply(logits[None], []) if penalty else logits[None], 0)[0],
-                       params, generator)
+    first = next_token(penalty.apply(logits[None], [])[0] if penalty else logits, params, generator)
     prefill_s = time.perf_counter() - started
     stats.rounds, stats.plain = 1, 1
     stats.gammas.append(0)
@@ -361,7 +359,6 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
         feed = torch.tensor([[context[-1], *drafts]], device=device)
         logits = model(feed, cache)[0]
         choices = penalty.apply(logits, drafts) if penalty else logits  # logprobs report the raw rows
-        choices = not_yet.apply(choices, len(out_ids))
         if params.greedy:
             verdict = verify_greedy(choices, drafts)
         else:
@@ -396,24 +393,6 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     result = GenerationResult(text.text, out_ids, origins, len(prompt_ids), finish, timings,
                               stats if proposer is not None else None, out_logprobs, scored_prompt)
     yield Finished(result, tail=tail)
-
-
-class EndsHeldOff:
-    """min_tokens: the ids that end the text ruled out of the rows that choose tokens before it.
-    Row i of a pass at output position p chooses token p + i; a plain step's row and a
-    verification row at one position are masked alike, so speculation keeps the output."""
-
-    def __init__(self, min_tokens: int, end_ids: set[int], device: torch.device):
-        self.min_tokens = min_tokens
-        self.columns = torch.tensor(sorted(end_ids), dtype=torch.long, device=device)
-
-    def apply(self, rows: torch.Tensor, position: int) -> torch.Tensor:
-        early = min(rows.shape[0], self.min_tokens - position)
-        if early <= 0 or not self.columns.numel():
-            return rows
-        rows = rows.clone()
-        rows[:early, self.columns] = float("-inf")
-        return rows
 
 
 def _prefill(model, prompt_ids: list[int], cache, device: torch.device, top: int | None

@@ -1,10 +1,11 @@
-"""Logit bias and penalties on repeating: the target's logits adjusted per request.
+"""Logit bias, penalties on repeating and min_tokens: the target's logits adjusted per request.
 
 As vLLM and OpenAI define them: `logit_bias` adds a fixed amount to chosen ids' logits;
 then `repetition` (CTRL's penalty) divides a positive logit by r
 and multiplies a negative one by r, for every id in the prompt or the output; then
 `frequency` subtracts f for each time an id was generated and `presence` subtracts p once
-an id has been generated at all. Plain decoding with penalties is the penalised target's
+an id has been generated at all; before `min_tokens` tokens, the ids that end the text
+are ruled out. Plain decoding with penalties is the penalised target's
 output, and speculative decoding keeps it so: each row of a verification pass is penalised
 by the output before its position, the drafts before it included. A draft model is
 penalised alike, its own drafts counted as they come, so that it proposes what the
@@ -33,9 +34,12 @@ class Penalties:
     repetition: float = 1.0
     # (id, bias) pairs in id order; a {id: bias} mapping is accepted and put in that form
     logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # tokens before the end-of-text and stop token ids may be chosen
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if not is_whole(self.min_tokens, 0):
+            raise VerispecError(f"min tokens must be a whole number >= 0, got {self.min_tokens!r}")
         for name, value in (("presence", self.presence), ("frequency", self.frequency)):
             if not is_number(value, -MAX_ADDITIVE, MAX_ADDITIVE):
                 raise VerispecError(f"the {name} penalty must be a number from -2 to 2, got {value!r}")
@@ -44,7 +48,8 @@ class Penalties:
 
     @property
     def active(self) -> bool:
-        return self.presence != 0 or self.frequency != 0 or self.repetition != 1 or bool(self.logit_bias)
+        return (self.presence != 0 or self.frequency != 0 or self.repetition != 1 or bool(self.logit_bias)
+                or self.min_tokens > 0)
 
     def penalised(self, logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`logits` of ids that appear in the context, each generated counts[i] times (0: only
@@ -58,20 +63,24 @@ ColumnOf = Callable[[int], "int | None"]  # a token id's column in rows that are
 
 
 class PenaltyState:
-    """One request's bias and penalties and the ids its text holds: the prompt's (for the
-    repetition penalty) and how often each was generated."""
+    """One request's adjustments and what its text holds: the prompt's ids (for the repetition
+    penalty), how often each id was generated, and how many tokens were (for min_tokens,
+    which holds off `end_ids`)."""
 
-    def __init__(self, penalties: Penalties, prompt_ids: Iterable[int]):
+    def __init__(self, penalties: Penalties, prompt_ids: Iterable[int], end_ids: Iterable[int] = ()):
         self.penalties = penalties
         self.generated: Counter[int] = Counter()
+        self.length = 0
         self.prompt = set(prompt_ids) if penalties.repetition != 1 else set()
-        self._columns: tuple | None = None  # (column_of, width, device, columns, counts)
-        self._bias: tuple | None = None  # (column_of, width, device, columns, amounts)
+        self.end_ids = sorted(end_ids) if penalties.min_tokens else []
+        self._cache: dict[str, tuple] = {}  # name -> (key, columns, values)
 
     def add(self, tokens: Iterable[int]) -> None:
         """Tokens that joined the output."""
+        tokens = list(tokens)
         self.generated.update(tokens)
-        self._columns = None
+        self.length += len(tokens)
+        self._cache.pop("context", None)
 
     def apply(self, logits: torch.Tensor, drafts: Sequence[int] = (), before: Sequence[int] = (),
               column_of: ColumnOf | None = None) -> torch.Tensor:
@@ -79,12 +88,16 @@ class PenaltyState:
         drafts[:i]. The rows' columns are the token ids, or where `column_of` is given, what it
         maps each id to (None: the id has no column), as a draft limited to its first ids and
         the context's has them; one `column_of` serves a round's calls. The bias comes first,
-        as in vLLM, so the repetition penalty scales biased logits."""
+        as in vLLM, so the repetition penalty scales biased logits; min_tokens's rule last."""
         width = logits.shape[-1]
+        key = (column_of, width, logits.device)
         if self.penalties.logit_bias:
-            logits = self._biased(logits, column_of)
+            columns, amounts = self._columns("bias", key, lambda: self.penalties.logit_bias)
+            logits = logits.clone()
+            logits[:, columns] += amounts
         out = logits.clone()
-        columns, counts = self._context_columns(logits.device, width, column_of)
+        columns, counts = self._columns(
+            "context", key, lambda: [(i, self.generated[i]) for i in sorted(self.prompt | self.generated.keys())])
         if columns.numel():
             out[:, columns] = self.penalties.penalised(logits[:, columns], counts)
         for row in range(logits.shape[0]):
@@ -93,32 +106,25 @@ class PenaltyState:
                 if column is not None:
                     count = torch.tensor([self.generated[token] + extra], dtype=torch.float32, device=logits.device)
                     out[row, column:column + 1] = self.penalties.penalised(logits[row, column:column + 1], count)
+        early = min(logits.shape[0], self.penalties.min_tokens - self.length - len(before))
+        if early > 0 and self.end_ids:  # rows that choose a token before min_tokens cannot end the text
+            columns, _ = self._columns("end", key, lambda: [(i, 0.0) for i in self.end_ids])
+            out[:early, columns] = float("-inf")
         return out
 
-    def _biased(self, logits: torch.Tensor, column_of: ColumnOf | None) -> torch.Tensor:
-        width, cached = logits.shape[-1], self._bias
-        if cached is None or cached[0] is not column_of or cached[1] != width or cached[2] != logits.device:
-            pairs = [(column, value) for token, value in self.penalties.logit_bias
-                     if (column := _column(token, width, column_of)) is not None]
-            columns = torch.tensor([c for c, _ in pairs], dtype=torch.long, device=logits.device)
-            amounts = torch.tensor([v for _, v in pairs], dtype=logits.dtype, device=logits.device)
-            self._bias = cached = (column_of, width, logits.device, columns, amounts)
-        biased = logits.clone()
-        biased[:, cached[3]] += cached[4]
-        return biased
-
-    def _context_columns(self, device: torch.device, width: int, column_of: ColumnOf | None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The columns the penalties touch before `before` and the drafts, and how often each
-        column's id was generated."""
-        cached = self._columns
-        if cached is None or cached[0] is not column_of or cached[1] != width or cached[2] != device:
-            pairs = [(column, self.generated[i]) for i in sorted(self.prompt | self.generated.keys())
-                     if (column := _column(i, width, column_of)) is not None]
-            columns = torch.tensor([c for c, _ in pairs], dtype=torch.long, device=device)
-            counts = torch.tensor([n for _, n in pairs], dtype=torch.float32, device=device)
-            self._columns = cached = (column_of, width, device, columns, counts)
-        return cached[3], cached[4]
+    def _columns(self, name: str, key: tuple, pairs: Callable[[], Iterable[tuple[int, float]]]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(id, value) pairs as their columns under `key` (column_of, width, device) and their
+        values, ids without a column left out; kept until the key or the output changes."""
+        cached = self._cache.get(name)
+        if cached is None or cached[0] != key:
+            column_of, width, device = key
+            kept = [(column, value) for token, value in pairs()
+                    if (column := _column(token, width, column_of)) is not None]
+            cached = (key, torch.tensor([c for c, _ in kept], dtype=torch.long, device=device),
+                      torch.tensor([v for _, v in kept], dtype=torch.float32, device=device))
+            self._cache[name] = cached
+        return cached[1], cached[2]
 
 
 def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
