@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -665,6 +666,26 @@ def test_passes_read_as_pairs_of_panels_give_the_rows_of_single_steps():
     assert [k.pass_pair_rows(w) for w in ("int4", "int8", "float32", "bfloat16", "float16")] == [5, 5, 5, 3, 3]
     with pytest.raises(RuntimeError, match="weights must be"):
         k.pass_pair_rows("q5_k")
+
+
+def test_a_leftover_build_mark_is_cleared_only_while_no_build_runs(tmp_path):
+    """Holding the build lock, a `lock` file in the folder is a leftover and goes; while another
+    process holds the lock (a build in progress), the next one waits for it to let go."""
+    leftover = tmp_path / "lock"
+    leftover.touch()
+    with kernels._one_build_at_a_time(tmp_path):
+        assert not leftover.exists()
+    holder = ("import fcntl, sys, time; f = open(sys.argv[1], 'w'); fcntl.flock(f, fcntl.LOCK_EX); "
+              "print('held', flush=True); time.sleep(3)")
+    with subprocess.Popen([sys.executable, "-c", holder, str(tmp_path / "verispec.lock")],
+                          stdout=subprocess.PIPE, text=True) as other:
+        assert other.stdout.readline().strip() == "held"
+        leftover.touch()  # the other process's build marks the folder
+        asked = time.monotonic()
+        with kernels._one_build_at_a_time(tmp_path):  # waits for the other to let go
+            waited = time.monotonic() - asked
+        assert other.wait() == 0
+    assert waited > 2
 
 
 @pytest.mark.skipif(kernels.cpu_kernels() is None, reason="no kernels on this machine")
