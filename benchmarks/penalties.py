@@ -61,12 +61,14 @@ def main() -> int:
     from verispec.spec.draft_model import DraftModelProposer, pair_vocab_limit
 
     target, draft, record = load_pair(args, "penalties", f"γ = {args.gamma}, {args.tokens} tokens, greedy")
+    limit = pair_vocab_limit("auto", draft, target)
     settings = {name: dict(options) for name, options in SETTINGS.items() if name == "none" or name in args.settings}
     if "no code fences" in settings:
         settings["no code fences"]["logit_bias"] = fence_ban(target.tokenizer)
-        print(f"  no code fences: {len(settings['no code fences']['logit_bias'])} token ids biased by -100")
+        banned = sorted(settings["no code fences"]["logit_bias"])
+        print(f"  no code fences: token ids {banned} biased by -100 (the draft proposes ids below {limit} "
+              f"and the context's)")
     record.update(gamma=args.gamma, tokens=args.tokens, categories={}, settings=list(settings))
-    limit = pair_vocab_limit("auto", draft, target)
     drafts = {"penalised draft": lambda: DraftModelProposer(draft, vocab_limit=limit),
               "unpenalised draft": lambda: unpenalised(DraftModelProposer)(draft, vocab_limit=limit)}
     all_valid = True
