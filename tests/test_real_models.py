@@ -152,3 +152,13 @@ def test_a_draft_limited_to_the_first_ids_proposes_the_prompts_own_words(real_pa
     assert runs[False].token_ids == runs[True].token_ids == plain.token_ids
     assert above[False] == [] and above[True] and set(above[True]) <= set(ids)
     assert runs[True].spec.acceptance_rate > runs[False].spec.acceptance_rate
+
+
+def test_the_coder_fills_in_a_function_body_and_speculation_keeps_it(real_pair):
+    """The 1.5B writes the gap between a signature and a call and ends the middle itself;
+    the 0.5B draft's speculation gives the same tokens."""
+    target, draft = real_pair
+    prefix, suffix = "def add(a, b):\n    return ", "\n\n\nprint(add(2, 3))\n"
+    plain = generate(target, prefix, suffix=suffix, max_tokens=32)
+    assert plain.finish_reason == "eos" and "a + b" in plain.text
+    assert generate(target, prefix, suffix=suffix, max_tokens=32, draft=draft, gamma=4).token_ids == plain.token_ids

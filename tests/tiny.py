@@ -41,10 +41,20 @@ def tiny_tokenizer():
 
 VOCAB = 262
 EOS_ID = byte_vocab()["<|im_end|>"]
+# Qwen2.5-Coder's fill-in-the-middle marks and padding, which `write_tokenizer(infill=True)`
+# adds after the three special tokens (ids 262-265)
+INFILL_SPECIALS = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>"]
 
 
-def write_tokenizer(folder: Path) -> None:
-    tiny_tokenizer().save(str(folder / "tokenizer.json"))
+def write_tokenizer(folder: Path, infill: bool = False) -> None:
+    """The tiny tokenizer and its settings; with `infill`, the fill-in-the-middle marks too
+    (for a model of VOCAB + len(INFILL_SPECIALS) ids)."""
+    from tokenizers import AddedToken
+
+    tokenizer = tiny_tokenizer()
+    if infill:
+        tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in INFILL_SPECIALS])
+    tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHAT_TEMPLATE, "add_bos_token": False}))
 

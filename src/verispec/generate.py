@@ -144,7 +144,15 @@ class TextAssembler:
         return best
 
 
-def encode_prompt(tokenizer, prompt: str | list[int] | list[dict[str, Any]], chat: bool) -> list[int]:
+def encode_prompt(tokenizer, prompt: str | list[int] | list[dict[str, Any]], chat: bool,
+                  suffix: str | None = None) -> list[int]:
+    """The prompt's token ids; with `suffix`, the fill-in-the-middle prompt for the text
+    between the prompt and the suffix."""
+    if suffix is not None:
+        if chat or not isinstance(prompt, str) or not isinstance(suffix, str):
+            raise VerispecError("a suffix fills in the text between a plain text prompt and itself: give both "
+                                "as text, without chat")
+        return tokenizer.encode_infill(prompt, suffix)
     if isinstance(prompt, (list, tuple)) and all(map(is_whole, prompt)):
         return list(prompt)
     if isinstance(prompt, (list, tuple)) and all(isinstance(p, dict) for p in prompt):
@@ -214,7 +222,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
            logprobs: int | None = None, prompt_logprobs: int | None = None, presence_penalty: float = 0.0,
            frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
            logit_bias: Mapping[int, float] | None = None, stop_token_ids: Sequence[int] = (),
-           min_tokens: int = 0) -> Iterator[Event]:
+           min_tokens: int = 0, suffix: str | None = None) -> Iterator[Event]:
     """Decode from `target` (a LoadedModel); with `draft`, speculatively. Yields Token events, then Finished.
     With `logprobs` (0 to MAX_TOP_LOGPROBS), every token carries the target's log-probability
     of it and of its `logprobs` most likely alternatives (`token_logprob`); with
@@ -230,7 +238,10 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     draft model's place where that promises more; `lookup=False` keeps to the draft model.
     `stop_token_ids` end the text as a stop string does, left out of it, `ignore_eos` or not.
     Before `min_tokens` tokens, nothing ends the text: the end-of-text and stop token ids are
-    ruled out of the target's choices and stop strings are not looked for (as vLLM has it)."""
+    ruled out of the target's choices and stop strings are not looked for (as vLLM has it).
+    With `suffix`, a code model trained for it fills in the middle: it writes the text that
+    goes between the prompt and the suffix, and the tokens that end a middle end the text
+    as the end-of-text token does (`Tokenizer.infill_end_ids`)."""
     if not is_whole(max_tokens, 0):
         raise VerispecError(f"max tokens must be a whole number >= 0, got {max_tokens!r}")
     if not is_whole(min_tokens, 0, max_tokens):
@@ -250,7 +261,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     stop = _stop_strings(stop)
     generator = params.generator() if not params.greedy else None
     tokenizer, model = target.tokenizer, target.model
-    prompt_ids = encode_prompt(tokenizer, prompt, chat)
+    prompt_ids = encode_prompt(tokenizer, prompt, chat, suffix)
     if not prompt_ids:
         raise VerispecError("the prompt is empty")
     vocab = target.config.vocab_size
@@ -271,7 +282,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     device = next(model.parameters()).device
 
     stats = SpecStats(draft_vocab=getattr(proposer, "limited_to", None))
-    eos_ids = set() if ignore_eos else tokenizer.eos_ids
+    eos_ids = set() if ignore_eos else tokenizer.infill_end_ids if suffix is not None else tokenizer.eos_ids
     penalty = PenaltyState(penalties, prompt_ids, eos_ids | stop_ids) if penalties.active else None
     if hasattr(proposer, "penalty"):
         proposer.penalty = penalty  # a draft model proposes under the target's penalties

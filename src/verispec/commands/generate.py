@@ -19,6 +19,9 @@ def register(sub) -> None:
     add_draft_vocab_option(parser)
     parser.add_argument("prompt", help="the prompt text ('-' reads standard input)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    parser.add_argument("--suffix", default=None, metavar="TEXT",
+                        help="fill in the middle: generate the text between the prompt and this (code models "
+                             "trained for it, such as Qwen2.5-Coder)")
     parser.add_argument("--max-tokens", "-n", type=non_negative_int, default=128,
                         help="tokens to generate (0 with --prompt-logprobs: score the prompt alone)")
     parser.add_argument("--min-tokens", type=non_negative_int, default=0,
@@ -75,7 +78,8 @@ def run(args) -> int:
                     lookup=not args.no_lookup, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
                     presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                     repetition_penalty=args.repetition_penalty, logit_bias=args.logit_bias,
-                    stop_token_ids=args.stop_token_id, min_tokens=args.min_tokens)
+                    stop_token_ids=args.stop_token_id, min_tokens=args.min_tokens,
+                    suffix=args.suffix)
     console = Console(highlight=False)
     result = None
     for event in events:

@@ -18,6 +18,26 @@ class ChatTemplateError(VerispecError):
     """A chat template that does not parse, or that refuses the messages (raise_exception)."""
 
 
+class InfillError(VerispecError):
+    """A suffix (fill in the middle) for a model whose tokenizer has no tokens for it."""
+
+
+# The special tokens that frame a fill-in-the-middle prompt, by model family, in the order
+# prefix, suffix, middle: the model reads the text before and after the gap, then writes
+# the gap. Qwen2.5-Coder and Qwen3-Coder; StarCoder and the models that took its
+# tokenizer; DeepSeek-Coder.
+INFILL_MARKS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "<\uff5cfim\u2581end\uff5c>"),
+)
+# What a model writes when the gap is filled, besides its end-of-text token: an instruct
+# model's end-of-text is the end of a chat turn, and its pretraining ended a middle with
+# the document's end, padding or the start of the next file.
+INFILL_ENDS = ("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<fim_pad>", "<file_sep>",
+               "<|EOT|>")
+
+
 class Tokenizer:
     def __init__(self, backend: BackendTokenizer, eos_ids: set[int], bos_token: str | None = None,
                  eos_token: str | None = None, chat_template: str | None = None,
@@ -69,6 +89,31 @@ class Tokenizer:
         if byte:
             return bytes([int(byte[1], 16)])
         return piece.replace(SENTENCEPIECE_SPACE, " ").encode()
+
+    # -- filling in the middle
+    @cached_property
+    def infill_marks(self) -> tuple[int, int, int] | None:
+        """The ids of the prefix, suffix and middle marks, or None if the model has none."""
+        for marks in INFILL_MARKS:
+            ids = tuple(self.vocab.get(mark) for mark in marks)
+            if None not in ids:
+                return ids
+        return None
+
+    def encode_infill(self, prefix: str, suffix: str) -> list[int]:
+        """The prompt that asks the model for the text between `prefix` and `suffix`."""
+        if self.infill_marks is None:
+            raise InfillError("this model's tokenizer has no fill-in-the-middle tokens (such as <|fim_prefix|>), "
+                              "so it cannot take a suffix; use a code model trained to fill in the middle")
+        before, after, middle = self.infill_marks
+        ids = [before, *self.encode(prefix, add_special_tokens=False), after,
+               *self.encode(suffix, add_special_tokens=False), middle]
+        return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
+
+    @property
+    def infill_end_ids(self) -> set[int]:
+        """The ids that end a filled-in middle, the end-of-text ids among them."""
+        return self.eos_ids | {self.vocab[t] for t in INFILL_ENDS if t in self.vocab}
 
     @cached_property
     def _added_ids(self) -> set[int]:
