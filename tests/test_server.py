@@ -28,9 +28,9 @@ PROMPT = "def add(a, b):"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"}]
 
 
-def byte_tokenizer(extra_merge: tuple[str, str] | None = None, chat_template: str | None = CHAT_TEMPLATE
-                   ) -> Tokenizer:
-    """Byte-level BPE: the 256 bytes, optionally one merge, then three special tokens."""
+def byte_tokenizer(extra_merge: tuple[str, str] | None = None, chat_template: str | None = CHAT_TEMPLATE,
+                   specials: list[str] = SPECIALS) -> Tokenizer:
+    """Byte-level BPE: the 256 bytes, optionally one merge, then the special tokens (three)."""
     from tokenizers import AddedToken, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as Backend
 
@@ -41,7 +41,7 @@ def byte_tokenizer(extra_merge: tuple[str, str] | None = None, chat_template: st
     backend = Backend(models.BPE(vocab, merges))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     eos_id = backend.token_to_id("<|im_end|>")
     return Tokenizer(backend, {eos_id}, eos_token="<|im_end|>", chat_template=chat_template)
 
@@ -335,6 +335,29 @@ def test_logit_bias_answers_as_generate_does(client, spec_client, target):
                "logit_bias": {str(token): amount for token, amount in bias.items()}}
     for server in (client, spec_client):
         assert server.post("/v1/completions", json=request).json()["choices"][0]["text"] == expected.text
+
+
+def test_a_suffix_fills_in_the_middle(client):
+    """A completion with a suffix answers as generate() does; "" asks for nothing; a suffix
+    after token ids, with echo, on chat or for a model with no marks is a clear 400."""
+    coder = tiny_model(byte_tokenizer(specials=[*SPECIALS, "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]))
+    server = TestClient(create_app(coder, draft=coder, gamma=3))
+    suffix = "\n\nprint(add(1, 2))\n"
+    expected = generate(coder, PROMPT, suffix=suffix, max_tokens=10, ignore_eos=True)
+    request = {"prompt": PROMPT, "suffix": suffix, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    body = server.post("/v1/completions", json=request).json()
+    assert body["choices"][0]["text"] == expected.text
+    assert body["usage"]["prompt_tokens"] == len(coder.tokenizer.encode_infill(PROMPT, suffix))
+    chunks = sse_payloads(server.post("/v1/completions", json={**request, "stream": True}))
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1] if c["choices"]) == expected.text
+    unframed = generate(coder, PROMPT, max_tokens=10, ignore_eos=True).text
+    assert unframed != expected.text
+    assert server.post("/v1/completions", json={**request, "suffix": ""}).json()["choices"][0]["text"] == unframed
+    assert_error(server.post("/v1/completions", json={**request, "prompt": [5, 6]}), 400, "text prompt")
+    assert_error(server.post("/v1/completions", json={**request, "echo": True}), 400, "echo and suffix")
+    chat = {"messages": MESSAGES, "suffix": suffix, "max_tokens": 4}
+    assert_error(server.post("/v1/chat/completions", json=chat), 400, "suffix")
+    assert_error(client.post("/v1/completions", json=request), 400, "no fill-in-the-middle tokens")
 
 
 def test_n_choices_are_the_seeds_one_after_another(client, spec_client, target):

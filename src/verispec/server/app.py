@@ -46,8 +46,13 @@ class Job:
 
     prompt_ids: list[int]
     options: dict[str, Any]
+    prompt: str | None = None  # what stream() reads in the ids' place: the text before a suffix's gap
     echo: Echo | None = None  # the prompt, to answer before the completion
     choices: int = 1  # completions of the prompt, decoded one after another
+
+    @property
+    def stream_prompt(self) -> str | list[int]:
+        return self.prompt if self.prompt is not None else self.prompt_ids
 
     def choice_options(self, index: int) -> dict[str, Any]:
         """The options of choice `index`: with a seed, choices take consecutive seeds (wrapping
@@ -84,13 +89,17 @@ class Engine:
 
     # -- checking a request
     def completion_job(self, request: CompletionRequest) -> Job:
-        prompt = request.prompt
-        if isinstance(prompt, str):
+        prompt, suffix = request.prompt, request.suffix or None
+        if suffix is not None:  # may raise InfillError
+            prompt_ids = self.target.tokenizer.encode_infill(prompt, suffix)
+        elif isinstance(prompt, str):
             prompt_ids = self.target.tokenizer.encode(prompt)
         else:
             prompt_ids = self._checked_ids(prompt)
         max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if request.max_tokens is None else request.max_tokens
         job = self._job(prompt_ids, max_tokens, request)
+        if suffix is not None:  # stream() builds the same ids, and ends the text where a middle ends
+            job.prompt, job.options["suffix"] = prompt, suffix
         if request.echo:  # ids are echoed with their special tokens, as their log-probabilities list them
             tokenizer = self.target.tokenizer
             text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids, skip_special_tokens=False)
@@ -167,7 +176,7 @@ class Engine:
             return [await anyio.to_thread.run_sync(self._run_to_end, job, index) for index in range(job.choices)]
 
     def _run_to_end(self, job: Job, index: int) -> GenerationResult:
-        for event in stream(self.target, job.prompt_ids, **job.choice_options(index)):
+        for event in stream(self.target, job.stream_prompt, **job.choice_options(index)):
             if isinstance(event, Finished):
                 self._record(event.result)
                 return event.result
@@ -178,7 +187,7 @@ class Engine:
         model is held until the last one (or the client leaves)."""
         async with self.turn():
             for index in range(job.choices):
-                events = stream(self.target, job.prompt_ids, **job.choice_options(index))
+                events = stream(self.target, job.stream_prompt, **job.choice_options(index))
                 finished, generated = False, 0
                 try:
                     while (event := await anyio.to_thread.run_sync(next, events, None)) is not None:

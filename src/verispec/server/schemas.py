@@ -96,11 +96,21 @@ class CompletionRequest(DecodingRequest):
     echo: bool | None = False  # the prompt before the completion, and its tokens' log-probabilities
     # 0 with echo scores a text without decoding (how evaluation harnesses read log-likelihoods)
     max_tokens: int | None = Field(default=None, ge=0)
+    # fill in the middle: the text after the gap, the prompt being the text before it ("" asks for nothing)
+    suffix: str | None = None
 
     @model_validator(mode="after")
     def _nothing_only_with_echo(self) -> "CompletionRequest":
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens=0 decodes nothing; it is for scoring a prompt with echo: true")
+        return self
+
+    @model_validator(mode="after")
+    def _suffix_after_text(self) -> "CompletionRequest":
+        if self.suffix and not isinstance(self.prompt, str):
+            raise ValueError("a suffix fills in the middle after a text prompt; send the prompt as text")
+        if self.suffix and self.echo:
+            raise ValueError("echo and suffix cannot be used together")
         return self
 
     @field_validator("logprobs", mode="before")
