@@ -350,6 +350,10 @@ def test_a_suffix_fills_in_the_middle(client):
     assert body["usage"]["prompt_tokens"] == len(coder.tokenizer.encode_infill(PROMPT, suffix))
     chunks = sse_payloads(server.post("/v1/completions", json={**request, "stream": True}))
     assert "".join(c["choices"][0]["text"] for c in chunks[:-1] if c["choices"]) == expected.text
+    end_of_text = coder.tokenizer.vocab["<|endoftext|>"]  # ends a middle, not other text
+    forced = {**request, "ignore_eos": False, "min_tokens": 3, "logit_bias": {str(end_of_text): 100}}
+    body = server.post("/v1/completions", json=forced).json()
+    assert body["usage"]["completion_tokens"] == 3 and body["choices"][0]["finish_reason"] == "stop"
     unframed = generate(coder, PROMPT, max_tokens=10, ignore_eos=True).text
     assert unframed != expected.text
     assert server.post("/v1/completions", json={**request, "suffix": ""}).json()["choices"][0]["text"] == unframed
