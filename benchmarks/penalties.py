@@ -27,7 +27,7 @@ from perf_common import add_pair_arguments, add_pair_runs, load_pair, pair_figur
 def unpenalised(proposer_class):
     """A draft-model proposer that ignores the penalties generate() hands it."""
     class Unpenalised(proposer_class):
-        penalty = property(lambda self: None, lambda self, value: None)
+        rules = property(lambda self: None, lambda self, value: None)
     return Unpenalised
 
 

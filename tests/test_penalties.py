@@ -11,7 +11,7 @@ import torch
 import tiny
 from verispec.errors import VerispecError
 from verispec.generate import generate
-from verispec.penalties import Penalties, PenaltyState
+from verispec.penalties import LogitsRules, Penalties, PenaltyState
 
 PROMPT = "the cat sat on the mat. the cat sat on the"
 STRONG = dict(presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.7)
@@ -157,7 +157,7 @@ def test_a_limited_draft_is_penalised_through_its_columns(target):
 
     def proposals(vocab_limit: int | None, penalty: PenaltyState | None) -> list[int]:
         proposer = DraftModelProposer(target, vocab_limit=vocab_limit)
-        proposer.penalty = penalty
+        proposer.rules = LogitsRules(penalty)
         proposer.start(prompt, len(prompt) + 8)
         tokens = proposer.propose(prompt, 6, SamplingParams(), None).tokens
         assert vocab_limit is None or proposer.extra_ids[:2] == [tiny.VOCAB - 1, tiny.VOCAB - 2]

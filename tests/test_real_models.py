@@ -162,3 +162,17 @@ def test_the_coder_fills_in_a_function_body_and_speculation_keeps_it(real_pair):
     plain = generate(target, prefix, suffix=suffix, max_tokens=32)
     assert plain.finish_reason == "eos" and "a + b" in plain.text
     assert generate(target, prefix, suffix=suffix, max_tokens=32, draft=draft, gamma=4).token_ids == plain.token_ids
+
+
+def test_the_coder_answers_in_the_schema_and_speculation_keeps_it(real_pair):
+    """Held to a JSON schema, the 1.5B's chat answer parses and has the schema's keys; the
+    0.5B draft, masked alike, gives the same tokens."""
+    target, draft = real_pair
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "arguments": {
+        "type": "array", "items": {"type": "string"}}}, "required": ["name", "arguments"], "additionalProperties": False}
+    prompt = "Describe the Python function def add(a, b) as JSON: its name and its arguments."
+    plain = generate(target, prompt, chat=True, max_tokens=64, json_schema=schema)
+    value = json.loads(plain.text)
+    assert plain.finish_reason == "eos" and value["name"] == "add" and value["arguments"] == ["a", "b"]
+    spec = generate(target, prompt, chat=True, max_tokens=64, json_schema=schema, draft=draft, gamma=4)
+    assert spec.token_ids == plain.token_ids and spec.spec.acceptance_rate > 0.5

@@ -19,12 +19,13 @@ import torch
 from verispec.errors import ContextOverflowError, VerispecError
 from verispec.events import (MAX_TOP_LOGPROBS, Event, Finished, GenerationResult, Logprob, Prompt, SpecStats, Timings,
                              Token)
-from verispec.penalties import Penalties, PenaltyState
+from verispec.penalties import LogitsRules, Penalties, PenaltyState
 from verispec.sampling import SamplingParams, next_token, token_logprob
 from verispec.spec.gamma import make_policy
 from verispec.spec.prompt_lookup import PromptLookupProposer
 from verispec.spec.proposer import Proposer
 from verispec.spec.verifier import verify_greedy, verify_sampling
+from verispec.structured import StructureError, StructureState, structure_of
 from verispec.values import is_whole
 
 MAX_GAMMA = 32
@@ -222,7 +223,8 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
            logprobs: int | None = None, prompt_logprobs: int | None = None, presence_penalty: float = 0.0,
            frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
            logit_bias: Mapping[int, float] | None = None, stop_token_ids: Sequence[int] = (),
-           min_tokens: int = 0, suffix: str | None = None) -> Iterator[Event]:
+           min_tokens: int = 0, suffix: str | None = None, json_schema: dict[str, Any] | bool | None = None,
+           regex: str | None = None) -> Iterator[Event]:
     """Decode from `target` (a LoadedModel); with `draft`, speculatively. Yields Token events, then Finished.
     With `logprobs` (0 to MAX_TOP_LOGPROBS), every token carries the target's log-probability
     of it and of its `logprobs` most likely alternatives (`token_logprob`); with
@@ -241,7 +243,10 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     ruled out of the target's choices and stop strings are not looked for (as vLLM has it).
     With `suffix`, a code model trained for it fills in the middle: it writes the text that
     goes between the prompt and the suffix, and the tokens that end a middle end the text
-    as the end-of-text token does (`Tokenizer.infill_end_ids`)."""
+    as the end-of-text token does (`Tokenizer.infill_end_ids`).
+    With `json_schema` (a schema, or True for any JSON object) or `regex`, the output is held
+    to it (`verispec.structured`): every choice, plain, verifying or drafting, is made among
+    the ids that keep the text on course, and the text ends where the structure does."""
     if not is_whole(max_tokens, 0):
         raise VerispecError(f"max tokens must be a whole number >= 0, got {max_tokens!r}")
     if not is_whole(min_tokens, 0, max_tokens):
@@ -283,9 +288,13 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
 
     stats = SpecStats(draft_vocab=getattr(proposer, "limited_to", None))
     eos_ids = set() if ignore_eos else tokenizer.infill_end_ids if suffix is not None else tokenizer.eos_ids
-    penalty = PenaltyState(penalties, prompt_ids, eos_ids | stop_ids) if penalties.active else None
-    if hasattr(proposer, "penalty"):
-        proposer.penalty = penalty  # a draft model proposes under the target's penalties
+    structure = structure_of(json_schema, regex)
+    if structure is not None and (ignore_eos or min_tokens):
+        raise StructureError("a structured output ends where its structure does: leave out ignore_eos and min_tokens")
+    rules = LogitsRules(PenaltyState(penalties, prompt_ids, eos_ids | stop_ids) if penalties.active else None,
+                        StructureState(structure, tokenizer, vocab) if structure is not None else None)
+    if hasattr(proposer, "rules"):
+        proposer.rules = rules  # a draft model proposes under the target's rules
     text = TextAssembler(tokenizer, stop, min_tokens)
     out_ids: list[int] = []
     origins: list[str] = []
@@ -322,7 +331,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     started = time.perf_counter()
     cache = model.new_cache(max_len)
     logits, scored_prompt = _prefill(model, prompt_ids, cache, device, prompt_logprobs)
-    first = next_token(penalty.apply(logits[None], [])[0] if penalty else logits, params, generator)
+    first = next_token(rules.apply(logits[None], [])[0] if rules else logits, params, generator)
     prefill_s = time.perf_counter() - started
     stats.rounds, stats.plain = 1, 1
     stats.gammas.append(0)
@@ -335,8 +344,8 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
         yield from emit([first], ["target"], 0, logits[None])
     if not out_ids:  # the first token was the end of text, or none was asked for
         stats.plain = 0
-    if penalty is not None:
-        penalty.add(out_ids)
+    if rules:
+        rules.add(out_ids)
     decode_started = time.perf_counter()
     lazy = bool(adaptive) and hasattr(proposer, "catch_up")
     weighs_lookup = lookup and lazy and hasattr(policy, "lookup_gamma")
@@ -369,7 +378,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
         t0 = time.perf_counter()
         feed = torch.tensor([[context[-1], *drafts]], device=device)
         logits = model(feed, cache)[0]
-        choices = penalty.apply(logits, drafts) if penalty else logits  # logprobs report the raw rows
+        choices = rules.apply(logits, drafts) if rules else logits  # logprobs report the raw rows
         if params.greedy:
             verdict = verify_greedy(choices, drafts)
         else:
@@ -392,8 +401,8 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
         before = len(out_ids)
         yield from emit(new, kinds, stats.rounds, logits)
         emitted = len(out_ids) - before
-        if penalty is not None:
-            penalty.add(out_ids[before:])
+        if rules:
+            rules.add(out_ids[before:])
         _count(stats, drafts, verdict, emitted)
         context.extend(new)
 

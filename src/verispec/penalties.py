@@ -147,3 +147,27 @@ def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
 def _column(token: int, width: int, column_of: ColumnOf | None) -> int | None:
     column = token if column_of is None else column_of(token)
     return column if column is not None and column < width else None
+
+
+class LogitsRules:
+    """A request's rules on the logits, applied in turn to every row that chooses a token: the
+    penalty state, then a structure's mask (verispec.structured.StructureState), which must
+    come last, since -inf is final. Each has `add` (tokens that joined the output) and
+    `apply` (rows, drafts, before, column_of), as PenaltyState has."""
+
+    def __init__(self, *rules):
+        self.rules = [rule for rule in rules if rule is not None]
+
+    def __bool__(self) -> bool:
+        return bool(self.rules)
+
+    def add(self, tokens: Iterable[int]) -> None:
+        tokens = list(tokens)
+        for rule in self.rules:
+            rule.add(tokens)
+
+    def apply(self, logits: torch.Tensor, drafts: Sequence[int] = (), before: Sequence[int] = (),
+              column_of: ColumnOf | None = None) -> torch.Tensor:
+        for rule in self.rules:
+            logits = rule.apply(logits, drafts, before, column_of)
+        return logits

@@ -6,7 +6,8 @@ import json
 import sys
 
 from verispec.commands.options import (add_draft_vocab_option, add_model_options, finite_float, id_and_amount,
-                                       load_target_and_draft, non_negative_float, non_negative_int, probability)
+                                       json_schema, load_target_and_draft, non_negative_float, non_negative_int,
+                                       probability)
 from verispec.events import MAX_TOP_LOGPROBS
 
 # how --show colours each token by origin (the seed's figure: kept drafts purple)
@@ -44,6 +45,10 @@ def register(sub) -> None:
     parser.add_argument("--stop-token-id", type=non_negative_int, action="append", default=[], metavar="ID",
                         help="a token id that ends the text as a stop string does (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
+    parser.add_argument("--json-schema", type=json_schema, default=None, metavar="SCHEMA",
+                        help="hold the output to a JSON schema (its JSON, or a file); '{\"type\": \"object\"}' "
+                             "for any JSON object")
+    parser.add_argument("--regex", default=None, metavar="PATTERN", help="hold the output to a regular expression")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     parser.add_argument("--logprobs", type=non_negative_int, default=None, metavar="N",
                         help="with --json: each token's log-probability under the target and its N most "
@@ -79,7 +84,7 @@ def run(args) -> int:
                     presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                     repetition_penalty=args.repetition_penalty, logit_bias=args.logit_bias,
                     stop_token_ids=args.stop_token_id, min_tokens=args.min_tokens,
-                    suffix=args.suffix)
+                    suffix=args.suffix, json_schema=args.json_schema, regex=args.regex)
     console = Console(highlight=False)
     result = None
     for event in events:

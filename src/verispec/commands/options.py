@@ -45,6 +45,22 @@ def id_and_amount(text: str) -> tuple[int, float]:
     return int(token), finite_float(amount)
 
 
+def json_schema(text: str) -> dict:
+    """A JSON schema, as --json-schema takes it: the JSON itself, or a file that holds it."""
+    import json
+    from pathlib import Path
+
+    path = Path(text).expanduser()
+    try:
+        source = path.read_text(encoding="utf-8") if path.is_file() else text
+        schema = json.loads(source)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON schema or a file holding one ({exc})") from None
+    if not isinstance(schema, dict):
+        raise argparse.ArgumentTypeError("a JSON schema is a JSON object, as {\"type\": \"object\"}")
+    return schema
+
+
 def non_negative_float(text: str) -> float:
     value = finite_float(text)
     if value < 0:

@@ -115,6 +115,12 @@ class Tokenizer:
         """The ids that end a filled-in middle, the end-of-text ids among them."""
         return self.eos_ids | {self.vocab[t] for t in INFILL_ENDS if t in self.vocab}
 
+    @property
+    def special_ids(self) -> set[int]:
+        """The ids of the tokens added to the vocabulary (special tokens among them), which
+        stand for their own text, never for what their characters would encode to."""
+        return self._added_ids
+
     @cached_property
     def _added_ids(self) -> set[int]:
         return set(self.backend.get_added_tokens_decoder())

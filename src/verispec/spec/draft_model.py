@@ -31,6 +31,22 @@ def pair_vocab_limit(choice: int | str | None, draft, target) -> int | None:
     return draft_vocab_limit(choice, min(draft.config.vocab_size, target.config.vocab_size))
 
 
+
+class ColumnMap:
+    """A draft's logits' columns, for its first `limit` ids and then the context's: a token
+    id's column (None where it has none), and the id of each column."""
+
+    def __init__(self, limit: int, extra_ids: list[int], extra_columns: dict[int, int]):
+        self.limit, self.extra_ids, self.extra_columns = limit, extra_ids, extra_columns
+
+    def __call__(self, token: int) -> int | None:
+        return token if token < self.limit else self.extra_columns.get(token)
+
+    def ids(self, width: int) -> torch.Tensor:
+        """The token ids of the first `width` columns."""
+        return torch.cat([torch.arange(min(width, self.limit)),
+                          torch.tensor(self.extra_ids[:max(0, width - self.limit)], dtype=torch.long)])
+
 class DraftModelProposer:
     """Drafts γ tokens one step at a time.
 
@@ -80,9 +96,10 @@ class DraftModelProposer:
         # (context length, logits) that catch_up left for the first draft of the next round
         self.ready: tuple[int, torch.Tensor] | None = None
         self.device = loaded.device
-        # the request's penalties (verispec.penalties.PenaltyState), which generate() sets and
-        # keeps up to date: the draft applies them as the target does, to propose its tokens
-        self.penalty = None
+        # the request's rules on the logits (verispec.penalties.LogitsRules: penalties, a
+        # structure's mask), which generate() sets and keeps up to date: the draft applies them
+        # as the target does, to propose its tokens
+        self.rules = None
 
     @property
     def limited_to(self) -> int | None:
@@ -135,14 +152,14 @@ class DraftModelProposer:
         feed = torch.tensor([pending], device=self.device) if pending else None
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
-        column_of = self._column_map() if self.penalty is not None else None
+        column_of = ColumnMap(self.vocab_limit, self.extra_ids, self.extra_columns) if self.rules else None
         for i in range(gamma):
             if feed is None:  # the first draft, from the logits catch_up left
                 logits = ready[1]
             else:
                 logits = self._logits(feed)
-            if self.penalty is not None:
-                logits = self.penalty.apply(logits[None], before=tokens, column_of=column_of)[0]
+            if self.rules:
+                logits = self.rules.apply(logits[None], before=tokens, column_of=column_of)[0]
             if params.greedy:
                 token = self._token(greedy_token(logits))
             else:
@@ -158,10 +175,6 @@ class DraftModelProposer:
         """The last position's logits: the first vocab_limit ids', then extra_ids' if any."""
         extra = {} if self.extra_rows is None else {"extra_rows": self.extra_rows}
         return self.model(feed, self.cache, last_only=True, **self.outputs, **extra)[0, -1]
-
-    def _column_map(self):
-        """Token id -> its column in the logits: the first ids, then the context's."""
-        return lambda token: token if token < self.vocab_limit else self.extra_columns.get(token)
 
     def _token(self, index: int) -> int:
         """The token id of a column of the logits."""

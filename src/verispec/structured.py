@@ -1,0 +1,150 @@
+"""Structured output: text held to a JSON schema or a regular expression.
+
+llguidance compiles the structure into a matcher over the tokenizer's tokens; before each
+choice the matcher gives the ids that keep the text on course, and every other id's logit
+becomes -inf. Speculative decoding stays exact because each row of a verification pass is
+masked as a plain step at that position would be: row i by the matcher after the output and
+the first i drafts, consumed for the pass and rolled back after it. A draft model proposes
+under the same masks, so its drafts are ones the target may keep.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from verispec.errors import VerispecError
+
+
+class StructureError(VerispecError):
+    """A schema or regular expression the matcher cannot compile, or one asked for wrongly."""
+
+
+@dataclass(frozen=True)
+class Structure:
+    """What the output must be, as an llguidance grammar, and in words for messages."""
+
+    grammar: str
+    description: str
+
+    @classmethod
+    def json(cls, schema: dict[str, Any] | bool = True) -> "Structure":
+        """JSON that satisfies `schema`; True: any JSON object."""
+        from llguidance import LLMatcher
+
+        if schema is True:
+            schema = {"type": "object"}
+        if not isinstance(schema, dict):
+            raise StructureError(f"a JSON schema is a JSON object, not {type(schema).__name__}")
+        try:
+            grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema))
+        except ValueError as exc:
+            raise StructureError(f"the JSON schema could not be read: {exc}") from None
+        return cls(grammar, "the JSON schema")
+
+    @classmethod
+    def regex(cls, pattern: str) -> "Structure":
+        """Text that the regular expression matches whole."""
+        from llguidance import LLMatcher
+
+        if not isinstance(pattern, str) or not pattern:
+            raise StructureError("a regular expression is a non-empty string")
+        return cls(LLMatcher.grammar_from_regex(pattern), "the regular expression")
+
+
+def structure_of(json_schema: dict[str, Any] | bool | None, regex: str | None) -> Structure | None:
+    """The structure that stream()'s `json_schema` and `regex` ask for, if any (one at most)."""
+    if json_schema not in (None, False) and regex is not None:
+        raise StructureError("ask for a JSON schema or a regular expression, not both")
+    if regex is not None:
+        return Structure.regex(regex)
+    if json_schema not in (None, False):
+        return Structure.json(json_schema)
+    return None
+
+
+class _TokenTable:
+    """What llguidance reads of a tokenizer: each id's bytes, the special ids, encoding."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.encode = tokenizer.encode
+        self.eos_token_id = min(tokenizer.eos_ids) if tokenizer.eos_ids else None
+        self.bos_token_id = tokenizer.bos_id
+        self.tokens = [tokenizer.token_bytes(i) for i in range(vocab_size)]
+        self.special_token_ids = sorted(i for i in tokenizer.special_ids if i < vocab_size)
+
+    def __call__(self, text: str) -> list[int]:
+        return self.encode(text, add_special_tokens=False)
+
+
+def matcher_tokenizer(tokenizer, vocab_size: int):
+    """The llguidance tokenizer of a verispec one, over the model's `vocab_size` ids, built once
+    per tokenizer (reading 151,936 tokens' bytes takes half a second)."""
+    import llguidance
+
+    cached = getattr(tokenizer, "_matcher_tokenizer", None)
+    if cached is None or cached[0] != vocab_size:
+        table = llguidance.TokenizerWrapper(_TokenTable(tokenizer, vocab_size))
+        built = llguidance.LLTokenizer(table, n_vocab=vocab_size, eos_token=sorted(tokenizer.eos_ids) or None)
+        cached = (vocab_size, built)
+        tokenizer._matcher_tokenizer = cached
+    return cached[1]
+
+
+class StructureState:
+    """A request's matcher, kept at the output so far; `apply` masks a pass's rows, and has the
+    interface of verispec.penalties.PenaltyState, so the two chain (`LogitsRules`)."""
+
+    def __init__(self, structure: Structure, tokenizer, vocab_size: int):
+        import llguidance
+
+        self.matcher = llguidance.LLMatcher(matcher_tokenizer(tokenizer, vocab_size), structure.grammar, log_level=0)
+        if self.matcher.is_error():
+            raise StructureError(f"{structure.description} could not be compiled: {self.matcher.get_error()}")
+        self.vocab_size = vocab_size
+        self._shifts = torch.arange(8, dtype=torch.uint8)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Tokens that joined the output (never an end-of-text token: the text ends there)."""
+        tokens = list(tokens)
+        if tokens and not self.matcher.consume_tokens(tokens):
+            raise StructureError(f"the output left its structure: {self.matcher.get_error()}")
+
+    def allowed(self, drafts: Sequence[int] = (), before: Sequence[int] = (), rows: int = 1) -> torch.Tensor:
+        """[rows, vocab] booleans: the ids each row may choose, row i after the output, `before`
+        and drafts[:i]. Rows after a token the structure refuses allow every id: verification
+        stops at that token, so no choice is made from them."""
+        out = torch.ones(rows, self.vocab_size, dtype=torch.bool)
+        consumed = self.matcher.try_consume_tokens(list(before))
+        if consumed == len(before):
+            for row in range(rows):
+                out[row] = self._mask()
+                if row == rows - 1 or self.matcher.try_consume_tokens([drafts[row]]) != 1:
+                    break
+                consumed += 1
+        self.matcher.rollback(consumed)
+        return out
+
+    def _mask(self) -> torch.Tensor:
+        """The ids allowed next, from the matcher's bitmask: bit k of byte b is id 8b + k."""
+        packed = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
+        return ((packed.unsqueeze(-1) >> self._shifts) & 1).bool().flatten()[:self.vocab_size]
+
+    def apply(self, logits: torch.Tensor, drafts: Sequence[int] = (), before: Sequence[int] = (),
+              column_of=None) -> torch.Tensor:
+        """Rows [rows, width] with the ids the structure refuses at -inf. The columns are the
+        token ids, or where `column_of` is given, those of its `ids` (a draft limited to its
+        first ids and the context's)."""
+        allowed = self.allowed(drafts, before, logits.shape[0])
+        width = logits.shape[-1]
+        if column_of is not None:
+            allowed = allowed[:, column_of.ids(width)]
+        elif width <= self.vocab_size:
+            allowed = allowed[:, :width]
+        else:
+            allowed = torch.nn.functional.pad(allowed, (0, width - self.vocab_size))
+        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))

@@ -1,0 +1,128 @@
+"""Structured output (`json_schema`, `regex`): the output keeps to its structure, plainly,
+speculatively and sampled; speculation keeps the constrained target's output exact; a draft
+limited to its first ids is masked through its columns; clear errors; the command line."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+import tiny
+from verispec.generate import generate
+from verispec.structured import Structure, StructureError, StructureState
+
+PROMPT = "def add(a, b):"
+PATTERN = "[ab]{3}c(cd|t)?"
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+          "required": ["ok", "n"], "additionalProperties": False}
+
+
+def test_the_mask_allows_what_keeps_the_text_on_course(target):
+    state = StructureState(Structure.regex("ab|cd"), target.tokenizer, target.config.vocab_size)
+    vocab = tiny.byte_vocab()
+    a, b, ab, c, d = (vocab[t] for t in ("a", "b", "ab", "c", "d"))
+    allowed = state.allowed(drafts=[a, c], rows=3)
+    assert set(allowed[0].nonzero().flatten().tolist()) == {a, ab, c, vocab["cd"]}
+    assert allowed[1].nonzero().flatten().tolist() == [b]  # after "a": only "b"
+    assert allowed[2].all()  # after a refused draft ("c" after "a"), no choice is made
+    assert state.allowed(before=[a])[0].nonzero().flatten().tolist() == [b]
+    state.add([ab])
+    assert state.allowed()[0].nonzero().flatten().tolist() == [tiny.EOS_ID]  # "ab" is whole: only the end
+
+
+def test_a_drafts_columns_are_masked_as_their_ids(target):
+    """A draft of the first 100 ids and one context id (a space, above them) in column 100."""
+    import torch
+
+    from verispec.spec.draft_model import ColumnMap
+
+    state = StructureState(Structure.regex(" [0-9]"), target.tokenizer, target.config.vocab_size)
+    space, digit = tiny.byte_vocab()["\u0120"], tiny.byte_vocab()["7"]
+    assert space > 100 > digit
+    columns = ColumnMap(100, [space], {space: 100})
+    masked = state.apply(torch.zeros(2, 101), drafts=[space], column_of=columns)
+    assert masked[0].isfinite().nonzero().flatten().tolist() == [100]  # only the space, in its column
+    assert masked[1, digit].isfinite() and not masked[1, 100].isfinite()
+
+
+def test_a_regex_output_matches_whole_and_ends_there(target):
+    result = generate(target, PROMPT, regex=PATTERN, max_tokens=20)
+    assert re.fullmatch(PATTERN, result.text) and result.finish_reason == "eos"
+    assert result.text != generate(target, PROMPT, max_tokens=len(result.token_ids)).text
+
+
+@pytest.mark.parametrize("structure", [{"regex": PATTERN}, {"json_schema": SCHEMA}])
+def test_speculation_keeps_the_constrained_output(target, unrelated, structure):
+    plain = generate(target, PROMPT, max_tokens=48, **structure)
+    for draft in (target, unrelated, "ngram"):
+        spec = generate(target, PROMPT, max_tokens=48, draft=draft, gamma=4, **structure)
+        assert spec.token_ids == plain.token_ids
+    if "json_schema" in structure and plain.finish_reason == "eos":
+        value = json.loads(plain.text)
+        assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool)
+
+
+def test_the_target_as_its_own_draft_keeps_every_draft(target):
+    """The draft is masked as the target is, so the target keeps every draft (the structure's
+    end lies past the token budget); with the draft's masks switched off, drafts are lost."""
+    from verispec.spec.draft_model import DraftModelProposer
+
+    class Unmasked(DraftModelProposer):
+        rules = property(lambda self: None, lambda self, value: None)
+
+    masked = generate(target, PROMPT, regex="[cd]{40}", max_tokens=12, draft=target, gamma=3)
+    assert masked.spec.acceptance_rate == 1.0
+    unmasked = generate(target, PROMPT, regex="[cd]{40}", max_tokens=12, draft=Unmasked(target), gamma=3)
+    assert unmasked.token_ids == masked.token_ids and unmasked.spec.acceptance_rate < 1.0
+
+
+def test_a_draft_limited_to_its_first_ids_is_masked_through_its_columns(target):
+    """Digits are single bytes, ids below 100: a draft of the first 100 ids and the context's,
+    masked through its columns, proposes what the target picks."""
+    plain = generate(target, PROMPT, regex="[0-9]{40}", max_tokens=12)
+    spec = generate(target, PROMPT, regex="[0-9]{40}", max_tokens=12, draft=target, gamma=3, draft_vocab=100)
+    assert spec.token_ids == plain.token_ids and spec.spec.draft_vocab == 100
+    assert spec.spec.acceptance_rate == 1.0
+
+
+def test_sampled_output_keeps_its_structure(target, unrelated):
+    for seed in range(6):
+        for draft in (None, unrelated):
+            result = generate(target, PROMPT, regex=PATTERN, max_tokens=20, temperature=1.0, seed=seed,
+                              draft=draft, gamma=3)
+            assert re.fullmatch(PATTERN, result.text) and result.finish_reason == "eos"
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"regex": "[ab"}, "could not be compiled"),
+    ({"json_schema": {"type": "nonsense"}}, "could not be compiled"),
+    ({"json_schema": [1, 2]}, "is a JSON object"),
+    ({"regex": "a", "json_schema": SCHEMA}, "not both"),
+    ({"regex": "a+", "ignore_eos": True}, "leave out ignore_eos"),
+    ({"regex": "a+", "min_tokens": 2}, "leave out ignore_eos and min_tokens"),
+])
+def test_bad_structures_are_clear_errors(target, options, message):
+    with pytest.raises(StructureError, match=message):
+        generate(target, PROMPT, max_tokens=4, **options)
+
+
+def test_the_command_line_holds_the_output_to_a_structure(target, tmp_path, capsys):
+    from verispec.cli import main
+
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    args = ["generate", "--model", str(target.path), "-n", "24", "--json", PROMPT]
+    assert main([*args[:-1], "--regex", PATTERN, PROMPT]) == 0
+    assert re.fullmatch(PATTERN, json.loads(capsys.readouterr().out)["text"])
+    assert main([*args[:-1], "--json-schema", str(schema_file), PROMPT]) == 0
+    from_file = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main([*args[:-1], "--json-schema", json.dumps(SCHEMA), PROMPT]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == from_file
+    assert from_file == generate(target, PROMPT, max_tokens=24, json_schema=SCHEMA).token_ids
+    with pytest.raises(SystemExit):
+        main([*args[:-1], "--json-schema", "{not json", PROMPT])
+    assert "expected a JSON schema" in capsys.readouterr().err
+    assert main([*args[:-1], "--regex", "[ab", PROMPT]) == 1
+    assert "could not be compiled" in capsys.readouterr().err
