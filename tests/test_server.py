@@ -364,6 +364,33 @@ def test_a_suffix_fills_in_the_middle(client):
     assert_error(client.post("/v1/completions", json=request), 400, "no fill-in-the-middle tokens")
 
 
+def test_response_format_and_guided_regex_hold_the_output(client, spec_client, target):
+    """json_object / json_schema and vLLM's guided_regex answer as generate() does, plainly and
+    speculatively; a bad schema or regex, or one with ignore_eos, is a 400 before queueing."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    cases = [({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},
+              {"json_schema": schema}),
+             ({"response_format": {"type": "json_object"}}, {"json_schema": True}),
+             ({"guided_regex": "[ab]{3}c"}, {"regex": "[ab]{3}c"}),
+             ({"response_format": {"type": "text"}}, {})]
+    for fields, options in cases:
+        expected = generate(target, MESSAGES, max_tokens=24, **options).text
+        for server in (client, spec_client):
+            body = server.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 24,
+                                                             "temperature": 0, **fields}).json()
+            assert body["choices"][0]["message"]["content"] == expected
+    assert expected != generate(target, MESSAGES, max_tokens=24, regex="[ab]{3}c").text
+    request = {"prompt": PROMPT, "max_tokens": 8}
+    assert_error(client.post("/v1/completions", json={**request, "guided_regex": "[ab"}), 400, "could not be compiled")
+    bad_schema = {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}
+    assert_error(client.post("/v1/completions", json={**request, "response_format": bad_schema}), 400, "nonsense")
+    assert_error(client.post("/v1/completions", json={**request, "response_format": {"type": "xml"}}), 400,
+                 "response_format")
+    assert_error(client.post("/v1/completions", json={**request, "guided_regex": "a+", "ignore_eos": True}), 400,
+                 "leave out ignore_eos")
+
+
 def test_n_choices_are_the_seeds_one_after_another(client, spec_client, target):
     request = {"prompt": PROMPT, "max_tokens": 10, "temperature": 1.0, "seed": 5, "ignore_eos": True, "n": 3,
                "best_of": 3, "logprobs": 1}

@@ -33,6 +33,7 @@ from verispec.sampling import SEED_MAX
 from verispec.server.metrics import ServerMetrics
 from verispec.server.responses import FINISH_REASONS, Echo, LogprobsShape, ResponseShape, error_body, sse
 from verispec.server.schemas import EXPECTED_SHAPES, ChatCompletionRequest, CompletionRequest, DecodingRequest
+from verispec.structured import StructureError, StructureState, structure_of
 
 log = logging.getLogger("verispec.server")
 
@@ -132,6 +133,8 @@ class Engine:
         self._checked_ids([*(request.logit_bias or ()), *(request.stop_token_ids or ())])
         if (request.min_tokens or 0) > max_tokens:
             raise VerispecError(f"min_tokens ({request.min_tokens}) is more than max_tokens ({max_tokens})")
+        json_schema = request.response_format.wanted_schema if request.response_format else None
+        self._check_structure(json_schema, request)
         options = dict(
             max_tokens=max_tokens,  # stream() trims it to what the context has room for
             temperature=1.0 if request.temperature is None else request.temperature,
@@ -151,8 +154,21 @@ class Engine:
             frequency_penalty=request.frequency_penalty or 0.0,
             repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
             logit_bias=request.logit_bias,
+            json_schema=json_schema,
+            regex=request.guided_regex,
         )
         return Job(prompt_ids, options, choices=request.n or 1)
+
+    def _check_structure(self, json_schema: dict[str, Any] | bool | None, request: DecodingRequest) -> None:
+        """Compile the structure a request asks for, so that a bad schema or regular expression
+        is refused before the request queues."""
+        structure = structure_of(json_schema, request.guided_regex)
+        if structure is None:
+            return
+        if request.ignore_eos or request.min_tokens:
+            raise StructureError("a structured output ends where its structure does: leave out ignore_eos "
+                                 "and min_tokens")
+        StructureState(structure, self.target.tokenizer, self.target.config.vocab_size)
 
     # -- decoding
     @asynccontextmanager

@@ -25,7 +25,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "tools": (None, []),
     "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
 }
 
 # what a field whose type is a union accepts, for error messages
@@ -38,6 +37,30 @@ EXPECTED_SHAPES = {
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # the schema is always kept
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: plain text, any JSON object, or JSON that a schema allows."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @property
+    def wanted_schema(self) -> dict[str, Any] | bool | None:
+        """What stream()'s json_schema takes: a schema, True for any JSON object, None for text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_schema" and self.json_schema is not None and self.json_schema.schema_ is not None:
+            return self.json_schema.schema_
+        return True
 
 
 class DecodingRequest(BaseModel):
@@ -63,6 +86,8 @@ class DecodingRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0)  # vLLM's extension; 1 is none
     # token id (a JSON key, so a string of digits) -> the amount added to its logit
     logit_bias: dict[int, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = None
+    response_format: ResponseFormat | None = None  # the output held to JSON (verispec.structured)
+    guided_regex: str | None = None  # vLLM's extension: the output held to a regular expression
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> "DecodingRequest":
