@@ -1,0 +1,104 @@
+"""What holding the output to JSON costs plain and speculative decoding, and what masking the
+draft alike gains.
+
+    python benchmarks/structured.py                   # extraction and coding, 3 prompts each
+    python benchmarks/structured.py --categories writing --prompts 2 --gamma 4
+
+Each chat prompt is answered as any JSON object (`json_schema=True`, the server's
+response_format json_object) and freely. For each prompt: plain decoding held to JSON,
+speculative decoding with the draft masked as the target is (the engine's way) and with a
+draft that ignores the mask, plain decoding held to JSON again, then plain and speculative
+decoding of the free answer. Speed-up = plain time per token / speculative time per token of
+the same answer; VALID when the speculative tokens equal the plain runs'. "Step" is plain
+decoding's time per token, held to JSON and free: what the mask costs a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import verispec  # noqa: F401  (first: it sets how torch's threads wait)
+
+from perf_common import add_pair_arguments, add_pair_runs, load_pair, pair_figures, pair_totals, save
+
+
+def unmasked(proposer_class):
+    """A draft-model proposer that ignores the rules generate() hands it (the mask among them)."""
+    class Unmasked(proposer_class):
+        rules = property(lambda self: None, lambda self, value: None)
+    return Unmasked
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_pair_arguments(parser)
+    parser.add_argument("--categories", nargs="+", default=["extraction", "coding"])
+    parser.add_argument("--gamma", type=int, default=5)
+    parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
+    parser.add_argument("--tokens", type=int, default=128)
+    args = parser.parse_args()
+
+    from verispec.generate import generate
+    from verispec.lab.prompts import load_prompts
+    from verispec.spec.draft_model import DraftModelProposer, pair_vocab_limit
+
+    target, draft, record = load_pair(args, "structured output", f"γ = {args.gamma}, {args.tokens} tokens, greedy")
+    limit = pair_vocab_limit("auto", draft, target)
+    drafts = {"masked draft": lambda: DraftModelProposer(draft, vocab_limit=limit),
+              "unmasked draft": lambda: unmasked(DraftModelProposer)(draft, vocab_limit=limit)}
+    record.update(gamma=args.gamma, tokens=args.tokens, categories={})
+    all_valid = True
+    for category in args.categories:
+        totals = {f"JSON, {kind}": pair_totals(valid=True) for kind in drafts}
+        totals["free, masked draft"] = pair_totals(valid=True)
+        steps = {"JSON": [0.0, 0], "free": [0.0, 0]}
+        parsed = 0
+        prompts = load_prompts(f"spec-bench:{category}", limit=args.prompts)
+        for prompt in prompts:
+            options = dict(chat=True, max_tokens=args.tokens, json_schema=True)
+            before = generate(target, prompt.text, **options)
+            specs = {kind: generate(target, prompt.text, draft=make(), gamma=args.gamma, **options)
+                     for kind, make in drafts.items()}
+            after = generate(target, prompt.text, **options)
+            free = generate(target, prompt.text, chat=True, max_tokens=args.tokens)
+            free_spec = generate(target, prompt.text, chat=True, max_tokens=args.tokens,
+                                 draft=drafts["masked draft"](), gamma=args.gamma)
+            plain_s = (before.timings.decode_s + after.timings.decode_s) / 2
+            for kind, spec in specs.items():
+                entry = totals[f"JSON, {kind}"]
+                add_pair_runs(entry, plain_s, len(before.token_ids), spec)
+                entry["valid"] &= spec.token_ids == before.token_ids == after.token_ids
+            add_pair_runs(totals["free, masked draft"], free.timings.decode_s, len(free.token_ids), free_spec)
+            totals["free, masked draft"]["valid"] &= free_spec.token_ids == free.token_ids
+            steps["JSON"][0] += plain_s
+            steps["JSON"][1] += len(before.token_ids) - 1
+            steps["free"][0] += free.timings.decode_s
+            steps["free"][1] += len(free.token_ids) - 1
+            parsed += _parses(before.text) and before.finish_reason == "eos"
+        for name, entry in totals.items():
+            pair_figures(entry)
+            all_valid &= entry["valid"]
+            print(f"  {category:>10} {name:>20}: speed-up {entry['speedup']:.2f}x, acceptance "
+                  f"{entry['acceptance']:.1%}, {'VALID' if entry['valid'] else 'INVALID'}")
+        step_ms = {name: 1e3 * s / max(1, n) for name, (s, n) in steps.items()}
+        print(f"  {category:>10} plain step: held to JSON {step_ms['JSON']:.1f} ms, free {step_ms['free']:.1f} ms; "
+              f"{parsed}/{len(prompts)} JSON answers whole and parsed")
+        record["categories"][category] = {"ways": totals, "step_ms": step_ms, "parsed": parsed}
+    save("structured", record, {"gamma": args.gamma, "prompts": args.prompts, "all_valid": all_valid,
+                                "speedup": {c: {n: round(e["speedup"], 4) for n, e in r["ways"].items()}
+                                            for c, r in record["categories"].items()}})
+    return 0 if all_valid else 1
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    sys.exit(main())
