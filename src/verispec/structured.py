@@ -117,21 +117,24 @@ class StructureState:
     def allowed(self, drafts: Sequence[int] = (), before: Sequence[int] = (), rows: int = 1) -> torch.Tensor:
         """[rows, vocab] booleans: the ids each row may choose, row i after the output, `before`
         and drafts[:i]. Rows after a token the structure refuses allow every id: verification
-        stops at that token, so no choice is made from them."""
+        stops at that token, so no choice is made from them.
+
+        The look ahead runs on a copy of the matcher (a few microseconds): llguidance 1.9.1's
+        rollback after a mask computed ahead can leave the matcher in another state than the
+        tokens it holds, which then refuses what a plain step allows
+        (tests/test_structured.py, test_looking_ahead_leaves_the_matcher_as_it_was)."""
         out = torch.ones(rows, self.vocab_size, dtype=torch.bool)
-        consumed = self.matcher.try_consume_tokens(list(before))
-        if consumed == len(before):
+        ahead = self.matcher.deep_copy()
+        if ahead.try_consume_tokens(list(before)) == len(before):
             for row in range(rows):
-                out[row] = self._mask()
-                if row == rows - 1 or self.matcher.try_consume_tokens([drafts[row]]) != 1:
+                out[row] = self._mask(ahead)
+                if row == rows - 1 or ahead.try_consume_tokens([drafts[row]]) != 1:
                     break
-                consumed += 1
-        self.matcher.rollback(consumed)
         return out
 
-    def _mask(self) -> torch.Tensor:
+    def _mask(self, matcher) -> torch.Tensor:
         """The ids allowed next, from the matcher's bitmask: bit k of byte b is id 8b + k."""
-        packed = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
+        packed = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.uint8)
         return ((packed.unsqueeze(-1) >> self._shifts) & 1).bool().flatten()[:self.vocab_size]
 
     def apply(self, logits: torch.Tensor, drafts: Sequence[int] = (), before: Sequence[int] = (),

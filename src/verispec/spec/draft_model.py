@@ -31,7 +31,6 @@ def pair_vocab_limit(choice: int | str | None, draft, target) -> int | None:
     return draft_vocab_limit(choice, min(draft.config.vocab_size, target.config.vocab_size))
 
 
-
 class ColumnMap:
     """A draft's logits' columns, for its first `limit` ids and then the context's: a token
     id's column (None where it has none), and the id of each column."""
