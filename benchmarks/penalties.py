@@ -22,14 +22,8 @@ import sys
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 
-from perf_common import add_pair_arguments, add_pair_runs, load_pair, pair_figures, pair_totals, save
-
-def unpenalised(proposer_class):
-    """A draft-model proposer that ignores the penalties generate() hands it."""
-    class Unpenalised(proposer_class):
-        rules = property(lambda self: None, lambda self, value: None)
-    return Unpenalised
-
+from perf_common import (add_category_arguments, add_pair_arguments, add_pair_runs, ignoring_rules, load_pair,
+                         pair_figures, pair_totals, save)
 
 SETTINGS = {
     "none": {},
@@ -48,10 +42,7 @@ def fence_ban(tokenizer) -> dict[int, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pair_arguments(parser)
-    parser.add_argument("--categories", nargs="+", default=["coding", "writing"])
-    parser.add_argument("--gamma", type=int, default=5)
-    parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
-    parser.add_argument("--tokens", type=int, default=128)
+    add_category_arguments(parser, ["coding", "writing"])
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
                         help="which to run; 'none' (the answers the others change) always runs")
     args = parser.parse_args()
@@ -70,7 +61,7 @@ def main() -> int:
               f"and the context's)")
     record.update(gamma=args.gamma, tokens=args.tokens, categories={}, settings=list(settings))
     drafts = {"penalised draft": lambda: DraftModelProposer(draft, vocab_limit=limit),
-              "unpenalised draft": lambda: unpenalised(DraftModelProposer)(draft, vocab_limit=limit)}
+              "unpenalised draft": lambda: ignoring_rules(DraftModelProposer)(draft, vocab_limit=limit)}
     all_valid = True
     for category in args.categories:
         prompts = load_prompts(f"spec-bench:{category}", limit=args.prompts)

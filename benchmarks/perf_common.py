@@ -188,6 +188,22 @@ def add_pair_arguments(parser, weights_help: str | None = None) -> None:
     parser.add_argument("--draft-weights", default="int4")
 
 
+def add_category_arguments(parser, categories: list[str]) -> None:
+    """--categories (Spec-Bench's), --gamma, --prompts (per category) and --tokens."""
+    parser.add_argument("--categories", nargs="+", default=categories)
+    parser.add_argument("--gamma", type=int, default=5)
+    parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
+    parser.add_argument("--tokens", type=int, default=128)
+
+
+def ignoring_rules(proposer_class):
+    """A draft-model proposer that ignores the rules generate() hands it (penalties, a
+    structure's mask): what drafting without them would propose."""
+    class IgnoringRules(proposer_class):
+        rules = property(lambda self: None, lambda self, value: None)
+    return IgnoringRules
+
+
 def pair_totals(**more) -> dict:
     """Empty totals of a pair's runs (add_pair_runs), with `more` fields."""
     return {"plain_s": 0.0, "plain_steps": 0, "spec_s": 0.0, "spec_steps": 0, "draft_s": 0.0, "drafted": 0,

@@ -21,23 +21,14 @@ import sys
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 
-from perf_common import add_pair_arguments, add_pair_runs, load_pair, pair_figures, pair_totals, save
-
-
-def unmasked(proposer_class):
-    """A draft-model proposer that ignores the rules generate() hands it (the mask among them)."""
-    class Unmasked(proposer_class):
-        rules = property(lambda self: None, lambda self, value: None)
-    return Unmasked
+from perf_common import (add_category_arguments, add_pair_arguments, add_pair_runs, ignoring_rules, load_pair,
+                         pair_figures, pair_totals, save)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pair_arguments(parser)
-    parser.add_argument("--categories", nargs="+", default=["extraction", "coding"])
-    parser.add_argument("--gamma", type=int, default=5)
-    parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
-    parser.add_argument("--tokens", type=int, default=128)
+    add_category_arguments(parser, ["extraction", "coding"])
     args = parser.parse_args()
 
     from verispec.generate import generate
@@ -47,7 +38,7 @@ def main() -> int:
     target, draft, record = load_pair(args, "structured output", f"γ = {args.gamma}, {args.tokens} tokens, greedy")
     limit = pair_vocab_limit("auto", draft, target)
     drafts = {"masked draft": lambda: DraftModelProposer(draft, vocab_limit=limit),
-              "unmasked draft": lambda: unmasked(DraftModelProposer)(draft, vocab_limit=limit)}
+              "unmasked draft": lambda: ignoring_rules(DraftModelProposer)(draft, vocab_limit=limit)}
     record.update(gamma=args.gamma, tokens=args.tokens, categories={})
     all_valid = True
     for category in args.categories:
