@@ -3,9 +3,9 @@
 llguidance compiles the structure into a matcher over the tokenizer's tokens; before each
 choice the matcher gives the ids that keep the text on course, and every other id's logit
 becomes -inf. Speculative decoding stays exact because each row of a verification pass is
-masked as a plain step at that position would be: row i by the matcher after the output and
-the first i drafts, consumed for the pass and rolled back after it. A draft model proposes
-under the same masks, so its drafts are ones the target may keep.
+masked as a plain step at that position would be: row i by a copy of the matcher that has
+read the output and the first i drafts, while the request's matcher reads only the output. A
+draft model proposes under the same masks, so its drafts are ones the target may keep.
 """
 
 from __future__ import annotations
