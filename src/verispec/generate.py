@@ -25,7 +25,7 @@ from verispec.spec.gamma import make_policy
 from verispec.spec.prompt_lookup import PromptLookupProposer
 from verispec.spec.proposer import Proposer
 from verispec.spec.verifier import verify_greedy, verify_sampling
-from verispec.structured import StructureError, StructureState, structure_of
+from verispec.structured import request_structure
 from verispec.values import is_whole
 
 MAX_GAMMA = 32
@@ -288,11 +288,8 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
 
     stats = SpecStats(draft_vocab=getattr(proposer, "limited_to", None))
     eos_ids = set() if ignore_eos else tokenizer.infill_end_ids if suffix is not None else tokenizer.eos_ids
-    structure = structure_of(json_schema, regex)
-    if structure is not None and (ignore_eos or min_tokens):
-        raise StructureError("a structured output ends where its structure does: leave out ignore_eos and min_tokens")
     rules = LogitsRules(PenaltyState(penalties, prompt_ids, eos_ids | stop_ids) if penalties.active else None,
-                        StructureState(structure, tokenizer, vocab) if structure is not None else None)
+                        request_structure(json_schema, regex, tokenizer, vocab, ignore_eos, min_tokens))
     if hasattr(proposer, "rules"):
         proposer.rules = rules  # a draft model proposes under the target's rules
     text = TextAssembler(tokenizer, stop, min_tokens)

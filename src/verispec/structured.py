@@ -67,6 +67,19 @@ def structure_of(json_schema: dict[str, Any] | bool | None, regex: str | None) -
     return None
 
 
+def request_structure(json_schema: dict[str, Any] | bool | None, regex: str | None, tokenizer, vocab_size: int,
+                      ignore_eos: bool = False, min_tokens: int = 0) -> "StructureState | None":
+    """A request's structure compiled for the model's tokenizer, or None if it asks for none.
+    A structured output ends where its structure does, so ignore_eos and min_tokens, which
+    would hold the end off, are refused with it."""
+    structure = structure_of(json_schema, regex)
+    if structure is None:
+        return None
+    if ignore_eos or min_tokens:
+        raise StructureError("a structured output ends where its structure does: leave out ignore_eos and min_tokens")
+    return StructureState(structure, tokenizer, vocab_size)
+
+
 class _TokenTable:
     """What llguidance reads of a tokenizer: each id's bytes, the special ids, encoding."""
 

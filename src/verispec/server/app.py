@@ -28,12 +28,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.errors import ContextOverflowError, VerispecError
 from verispec.events import Event, Finished, GenerationResult, Logprob, Prompt, Token
-from verispec.generate import MAX_GAMMA, make_proposer, stream
+from verispec.generate import MAX_GAMMA, encode_prompt, make_proposer, stream
 from verispec.sampling import SEED_MAX
 from verispec.server.metrics import ServerMetrics
 from verispec.server.responses import FINISH_REASONS, Echo, LogprobsShape, ResponseShape, error_body, sse
 from verispec.server.schemas import EXPECTED_SHAPES, ChatCompletionRequest, CompletionRequest, DecodingRequest
-from verispec.structured import StructureError, StructureState, structure_of
+from verispec.structured import request_structure
 
 log = logging.getLogger("verispec.server")
 
@@ -91,8 +91,8 @@ class Engine:
     # -- checking a request
     def completion_job(self, request: CompletionRequest) -> Job:
         prompt, suffix = request.prompt, request.suffix or None
-        if suffix is not None:  # may raise InfillError
-            prompt_ids = self.target.tokenizer.encode_infill(prompt, suffix)
+        if suffix is not None:  # the ids stream() reads; may raise InfillError
+            prompt_ids = encode_prompt(self.target.tokenizer, prompt, False, suffix)
         elif isinstance(prompt, str):
             prompt_ids = self.target.tokenizer.encode(prompt)
         else:
@@ -134,7 +134,9 @@ class Engine:
         if (request.min_tokens or 0) > max_tokens:
             raise VerispecError(f"min_tokens ({request.min_tokens}) is more than max_tokens ({max_tokens})")
         json_schema = request.response_format.wanted_schema if request.response_format else None
-        self._check_structure(json_schema, request)
+        # compiled here too, so that a bad schema or regular expression is refused before queueing
+        request_structure(json_schema, request.guided_regex, self.target.tokenizer, self.target.config.vocab_size,
+                          request.ignore_eos, request.min_tokens or 0)
         options = dict(
             max_tokens=max_tokens,  # stream() trims it to what the context has room for
             temperature=1.0 if request.temperature is None else request.temperature,
@@ -158,17 +160,6 @@ class Engine:
             regex=request.guided_regex,
         )
         return Job(prompt_ids, options, choices=request.n or 1)
-
-    def _check_structure(self, json_schema: dict[str, Any] | bool | None, request: DecodingRequest) -> None:
-        """Compile the structure a request asks for, so that a bad schema or regular expression
-        is refused before the request queues."""
-        structure = structure_of(json_schema, request.guided_regex)
-        if structure is None:
-            return
-        if request.ignore_eos or request.min_tokens:
-            raise StructureError("a structured output ends where its structure does: leave out ignore_eos "
-                                 "and min_tokens")
-        StructureState(structure, self.target.tokenizer, self.target.config.vocab_size)
 
     # -- decoding
     @asynccontextmanager
