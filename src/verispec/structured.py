@@ -44,7 +44,7 @@ class Structure:
             grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema))
         except ValueError as exc:
             raise StructureError(f"the JSON schema could not be read: {exc}") from None
-        return cls(grammar, "the JSON schema")
+        return cls._checked(grammar, "the JSON schema")
 
     @classmethod
     def regex(cls, pattern: str) -> "Structure":
@@ -53,7 +53,18 @@ class Structure:
 
         if not isinstance(pattern, str) or not pattern:
             raise StructureError("a regular expression is a non-empty string")
-        return cls(LLMatcher.grammar_from_regex(pattern), "the regular expression")
+        return cls._checked(LLMatcher.grammar_from_regex(pattern), "the regular expression")
+
+    @classmethod
+    def _checked(cls, grammar: str, description: str) -> "Structure":
+        """The structure, once its grammar compiles (without a tokenizer, so that a bad one is
+        refused before any model loads)."""
+        from llguidance import LLMatcher
+
+        error = LLMatcher.validate_grammar(grammar)
+        if error:
+            raise StructureError(f"{description} could not be compiled: {error.strip()}")
+        return cls(grammar, description)
 
 
 def structure_of(json_schema: dict[str, Any] | bool | None, regex: str | None) -> Structure | None:
