@@ -46,3 +46,29 @@ def real_pair():
     from verispec.loading import load_model
 
     return load_model("qwen2.5-coder-1.5b"), load_model("qwen2.5-coder-0.5b")
+
+
+class ModelledClock:
+    """Decoding time without a shared machine's noise: each forward pass of a model over m positions
+    costs (1 + (m - 1) / 20) ms, plus `extra_s` while set, on the clock the decoding loop reads."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.extra_s = 0.0
+
+    def pass_hook(self, module, args) -> None:
+        if hasattr(module, "new_cache"):  # a whole model, not one of its layers
+            self.now += 1e-3 * (1 + (args[0].shape[1] - 1) / 20) + self.extra_s
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    from types import SimpleNamespace
+
+    import verispec.generate as engine
+
+    modelled = ModelledClock()
+    monkeypatch.setattr(engine, "time", SimpleNamespace(perf_counter=lambda: modelled.now))
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(modelled.pass_hook)
+    yield modelled
+    handle.remove()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 from verispec.commands.options import (WEIGHT_FORMATS, add_kv_cache_option, add_ngram_option, add_slack_option,
-                                       draft_length, draft_vocab_choice, non_negative_float, non_negative_int,
-                                       positive_int)
+                                       draft_length, draft_vocab_choice, json_schema, non_negative_float,
+                                       non_negative_int, positive_int)
 
 
 def register(sub) -> None:
@@ -29,8 +29,9 @@ def register(sub) -> None:
                              "values bench each ('all': the whole vocabulary; 'auto', the default: 32768 for a "
                              "vocabulary of more than 65536 ids, else all)")
     parser.add_argument("--prompts", "-p", default="spec-bench",
-                        help="spec-bench, spec-bench:CATEGORY[,CATEGORY], a Spec-Bench-style JSONL file, "
-                             "or a text file with one prompt per line")
+                        help="spec-bench, spec-bench:CATEGORY[,CATEGORY], humaneval, humaneval-infill (bodies "
+                             "to fill in between the docstring and the last line), a Spec-Bench-style JSONL file "
+                             "(a 'suffix' makes a prompt one to fill in), or a text file with one prompt per line")
     parser.add_argument("--limit", type=non_negative_int, default=10,
                         help="prompts: K per named category, else K spread over all categories (0: all)")
     parser.add_argument("--max-tokens", "-n", type=positive_int, default=128)
@@ -47,6 +48,11 @@ def register(sub) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ignore-eos", action="store_true", help="always generate the full token budget")
     parser.add_argument("--no-chat", action="store_true", help="do not wrap prompts in the chat template")
+    parser.add_argument("--json-schema", type=json_schema, default=None, metavar="SCHEMA",
+                        help="hold every output to a JSON schema (its JSON, or a file); '{\"type\": \"object\"}' "
+                             "for any JSON object; the audit checks each output keeps to it")
+    parser.add_argument("--regex", default=None, metavar="PATTERN",
+                        help="hold every output to a regular expression")
     parser.add_argument("--no-warmup", action="store_true")
     parser.add_argument("--bandwidth-gb-s", type=non_negative_float, default=None,
                         help="the machine's peak memory bandwidth, for the bandwidth rule of the audit")
@@ -89,7 +95,8 @@ def run(args) -> int:
     settings = BenchSettings(max_tokens=args.max_tokens, repeats=args.repeats, temperature=args.temperature,
                              seed=args.seed, chat=False if args.no_chat else None, ignore_eos=args.ignore_eos,
                              warmup=not args.no_warmup, bandwidth_gb_s=args.bandwidth_gb_s, slack=args.slack,
-                             ngram=tuple(args.ngram))
+                             ngram=tuple(args.ngram), json_schema=args.json_schema, regex=args.regex)
+    settings.structure()  # a bad schema or pattern stops here, before the models load
     out = args.out or time.strftime("results/bench-%Y%m%d-%H%M%S.jsonl")
     writer = RecordWriter(out, fresh=args.restart)  # checks the path now, writes only with the first record
     done = {} if args.restart else runs_by_key(out)

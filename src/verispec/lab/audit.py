@@ -115,18 +115,52 @@ def _token_at(ids: Sequence[int], index: int) -> str:
     return f"id {ids[index]}" if index < len(ids) else "end"
 
 
-def logit_margin(target, prompt_ids: Sequence[int], prefix: Sequence[int]) -> tuple[float, float]:
-    """(gap between the target's top two logits after prompt + prefix, the float tolerance for a tie)."""
+def logit_margin(target, prompt_ids: Sequence[int], prefix: Sequence[int], allowed=None) -> tuple[float, float]:
+    """(gap between the target's top two logits after prompt + prefix, the float tolerance for a tie);
+    with `allowed` ([vocab] booleans, a structure's mask there), among the ids it allows."""
     import torch
 
     ids = [*prompt_ids, *prefix]
     with torch.inference_mode():
         cache = target.model.new_cache(len(ids))
         logits = target.model(torch.tensor([ids], device=target.device), cache, last_only=True)[0, -1]
+    if allowed is not None:
+        logits = held_to(logits[None], allowed[None])[0]
     top = torch.topk(logits.float(), 2).values
     dtype = str(target.dtype).removeprefix("torch.")
     tolerance = _TIE_RTOL.get(dtype, _TIE_RTOL["float32"]) * max(1.0, abs(float(top[0])))
     return float(top[0] - top[1]), tolerance
+
+
+def held_to(logits, allowed):
+    """Logits [rows, width] with every id that `allowed` ([rows, vocab] booleans) refuses at -inf;
+    columns past the vocabulary (a padded embedding) are refused, a narrower row is cut."""
+    import torch
+
+    width = logits.shape[-1]
+    if allowed.shape[-1] >= width:
+        allowed = allowed[:, :width]
+    else:
+        allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[-1]))
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+def check_structure(tokens: Sequence[int], allowed, ended: bool, end_ids: Iterable[int],
+                    description: str) -> Verdict:
+    """An output held to a structure: every token among the ids its mask allowed there
+    (`allowed` [len(tokens) + 1, vocab]: row i after tokens[:i]), and an output that `ended`
+    itself ended where the structure may."""
+    import torch
+
+    if tokens:
+        kept = allowed[torch.arange(len(tokens)), torch.tensor(list(tokens))]
+        if not bool(kept.all()):
+            at = int((~kept).nonzero()[0, 0])
+            return Verdict(INVALID, f"token {at} ({_token_at(tokens, at)}) leaves {description}")
+    ends = [i for i in end_ids if i < allowed.shape[-1]]
+    if ended and not bool(allowed[len(tokens), ends].any()):
+        return Verdict(INVALID, f"the output ended before {description} was complete")
+    return Verdict(VALID, f"held to {description}")
 
 
 # ---------------------------------------------------------------- sampled output
@@ -152,9 +186,11 @@ DRAFT_WEIGHTS = (0.25, 0.5, 1.0)  # the weights w of the draft in the martingale
 
 
 def model_probabilities(loaded, prompt_ids: Sequence[int], output_ids: Sequence[int], params,
-                        chunk: int = 64):
+                        chunk: int = 64, allowed=None):
     """[len(output_ids), vocab]: a model's warped distribution (sampling.probabilities) at each
-    output token, given the prompt and the output before it, in passes of at most `chunk` tokens."""
+    output token, given the prompt and the output before it, in passes of at most `chunk` tokens;
+    with `allowed` ([len(output_ids), vocab] booleans, a structure's masks), among the ids each
+    position allows."""
     import torch
 
     from verispec.sampling import probabilities
@@ -169,7 +205,8 @@ def model_probabilities(loaded, prompt_ids: Sequence[int], output_ids: Sequence[
         inputs = list(output_ids[:-1])
         for start in range(0, len(inputs), chunk):
             rows.append(model(torch.tensor([inputs[start:start + chunk]], device=device), cache)[0])
-        return probabilities(torch.cat(rows).float().cpu(), params)
+        logits = torch.cat(rows).float().cpu()
+        return probabilities(logits if allowed is None else held_to(logits, allowed), params)
 
 
 def randomized_pit(probs, tokens: Sequence[int], generator) -> tuple[list[float], int]:
@@ -245,20 +282,22 @@ class SampledEvidence:
 
 
 def sampled_evidence(target, prompt_ids: Sequence[int], output_ids: Sequence[int], params, seed: int,
-                     draft=None) -> SampledEvidence:
+                     draft=None, allowed=None) -> SampledEvidence:
     """An output's u values under the target, V drawn from `seed` (keep it apart from the seed the
     output was sampled with, or V and the draws may share their stream), and with `draft` (a
     loaded model, or a PromptLookupProposer) the logs of the martingales that grow when the output
-    leans towards its drafts."""
+    leans towards its drafts. With `allowed` (a structure's masks, as model_probabilities takes
+    them), both models' distributions are those held to the structure, as they were sampled."""
     import torch
 
-    p = model_probabilities(target, prompt_ids, output_ids, params)
+    p = model_probabilities(target, prompt_ids, output_ids, params, allowed=allowed)
     u, impossible = randomized_pit(p, output_ids, torch.Generator().manual_seed(seed))
     lean = None
     if draft is not None and output_ids and hasattr(draft, "lookup"):
         lean = lookup_lean_logs(p, draft, prompt_ids, output_ids)
     elif draft is not None and output_ids:
-        lean = draft_lean_logs(p, model_probabilities(draft, prompt_ids, output_ids, params), output_ids)
+        q = model_probabilities(draft, prompt_ids, output_ids, params, allowed=allowed)
+        lean = draft_lean_logs(p, q, output_ids)
     return SampledEvidence(u, impossible, lean)
 
 

@@ -9,6 +9,8 @@ audit verdict; tables and plots are derived from those records alone.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import resource
 import statistics
@@ -23,11 +25,12 @@ import torch
 from verispec.errors import VerispecError
 from verispec.generate import encode_prompt, generate, make_proposer
 from verispec.lab.audit import (DEFAULT_SLACK, INVALID, VALID, Verdict, check_output, check_sampled_output,
-                                logit_margin, run_checks, sampled_evidence, worst)
+                                check_structure, logit_margin, run_checks, sampled_evidence, worst)
 from verispec.lab.prompts import Prompt
 from verispec.lab.calibrate import machine_facts
 from verispec.sampling import SamplingParams
 from verispec.spec.draft_model import pair_vocab_limit
+from verispec.structured import Structure, StructureError, StructureState, structure_of
 
 WARMUP_TOKENS = 8
 
@@ -103,6 +106,24 @@ class BenchSettings:
     bandwidth_gb_s: float | None = None  # the machine's peak; enables the bandwidth rule
     slack: float = DEFAULT_SLACK
     ngram: tuple[int, int] = (3, 1)
+    # every output held to a JSON schema (True: any JSON object) or a regular expression
+    json_schema: dict | bool | None = None
+    regex: str | None = None
+
+    def structure(self) -> Structure | None:
+        """The structure the outputs are held to, compiled once to refuse a bad one before any run."""
+        structure = structure_of(self.json_schema, self.regex)
+        if structure is not None and self.ignore_eos:
+            raise StructureError("a structured output ends where its structure does: leave out ignore_eos")
+        return structure
+
+    def structure_key(self) -> str | None:
+        """What names the structure in run keys and records: a hash of the schema or pattern."""
+        if self.json_schema in (None, False) and self.regex is None:
+            return None
+        kind, value = ("regex", self.regex) if self.regex is not None else ("json", self.json_schema)
+        digest = hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]
+        return f"{kind}:{digest}"
 
 
 def load_for_bench(spec: str, weights: str | None = None, device: str = "cpu", kv_cache: str | None = None):
@@ -140,8 +161,11 @@ def run_key(target: str, weights: str, prompt_set: str, prompt_id: str, config: 
     """Identifies one run across restarts of a sweep. A draft model's run names the draft's
     weight format too: the same draft in another format is another measurement."""
     label = f"{config.label} draft={draft_weights}" if config.proposer.kind == "draft" else config.label
-    return "|".join(str(part) for part in (target, weights, prompt_set, prompt_id, label, repeat,
-                                           settings.max_tokens, settings.temperature))
+    parts = [target, weights, prompt_set, prompt_id, label, repeat, settings.max_tokens, settings.temperature]
+    structure = settings.structure_key()
+    if structure:  # held outputs are other runs (keys of free ones stay as they were)
+        parts.append(structure)
+    return "|".join(map(str, parts))
 
 
 def plan_runs(prompts: list[Prompt], configs: list[RunConfig], repeats: int) -> list[tuple[Prompt, RunConfig, int]]:
@@ -206,6 +230,7 @@ class Bench:
         self.records = dict(done or {})
         self.machine = machine_facts(str(target.device))
         self.model_bytes = bytes_read_per_pass(target)
+        self.structure = settings.structure()
         self._draft_proposers: dict[tuple[str, int | None], object] = {}
         self._warm = not settings.warmup
 
@@ -215,6 +240,12 @@ class Bench:
             weights += f"/kv-{self.target.kv_cache}"
         return run_key(self.label, weights, prompt_set, prompt.id, config, repeat, self.settings,
                        self.draft_weights(config))
+
+    def prompt_set_label(self, prompt_set: str) -> str:
+        """How records name the prompt set: held to a structure it is another workload, whose
+        runs the report keeps apart (baselines included) from the same prompts' free runs."""
+        structure = self.settings.structure_key()
+        return f"{prompt_set} [{structure}]" if structure else prompt_set
 
     def draft_weights(self, config: RunConfig) -> str | None:
         """The weight format of the run's draft model; None for other proposers."""
@@ -232,7 +263,7 @@ class Bench:
                 out.append(self.records[key])
                 continue
             if not self._warm:
-                self.warm_up(encoded[prompts[0].id], configs)
+                self.warm_up(prompts[0], encoded[prompts[0].id], configs)
             baselines = [self.records[k] for k in (self.key(prompt_set, prompt, BASELINE_RUN, r)
                                                    for r in range(repeat + 1)) if k in self.records]
             self.on_run(f"{prompt_set} #{prompt.id} {config.label} (repeat {repeat + 1})")
@@ -249,20 +280,22 @@ class Bench:
         return None if draft is None else pair_vocab_limit(config.draft_vocab, draft, self.target)
 
     def encode(self, prompt: Prompt) -> list[int]:
+        """The prompt's ids: in the chat template when asked for (by default, when the model has
+        one), or the fill-in-the-middle prompt of a prompt with a suffix (never a chat)."""
         tokenizer = self.target.tokenizer
         chat = self.settings.chat if self.settings.chat is not None else bool(tokenizer.chat_template)
-        return encode_prompt(tokenizer, prompt.text, chat)
+        return encode_prompt(tokenizer, prompt.text, chat and prompt.suffix is None, prompt.suffix)
 
-    def warm_up(self, prompt_ids: list[int], configs: list[RunConfig]) -> None:
+    def warm_up(self, prompt: Prompt, prompt_ids: list[int], configs: list[RunConfig]) -> None:
         """One short unrecorded run per proposer (and draft vocabulary): first calls allocate and
-        pick kernels."""
+        pick kernels (and a structure's first matcher reads the tokenizer)."""
         tokens = min(WARMUP_TOKENS, self.settings.max_tokens)
-        reference = self.generate(prompt_ids, BASELINE_RUN, None, tokens)[0].token_ids
+        reference = self.generate(prompt, prompt_ids, BASELINE_RUN, None, tokens)[0].token_ids
         seen = set()
         for config in configs:
             if (config.proposer.label, config.draft_vocab) not in seen:
                 seen.add((config.proposer.label, config.draft_vocab))
-                self.generate(prompt_ids, config, reference, tokens)
+                self.generate(prompt, prompt_ids, config, reference, tokens)
         self._warm = True
 
     def proposer(self, config: RunConfig, reference: list[int] | None, repeat: int = 0):
@@ -284,15 +317,18 @@ class Bench:
                                                        draft_vocab=config.draft_vocab)
         return self._draft_proposers[key]
 
-    def generate(self, prompt_ids: list[int], config: RunConfig, reference: list[int] | None,
+    def generate(self, prompt: Prompt, prompt_ids: list[int], config: RunConfig, reference: list[int] | None,
                  max_tokens: int, repeat: int = 0):
-        """(result, target passes) of one generation."""
+        """(result, target passes) of one generation. A prompt with a suffix goes as its text, so
+        that the tokens which end a middle end it."""
         s = self.settings
+        source = prompt_ids if prompt.suffix is None else prompt.text
         with PassCounter(self.target.model) as counter:
-            result = generate(self.target, prompt_ids, draft=self.proposer(config, reference, repeat),
+            result = generate(self.target, source, suffix=prompt.suffix,
+                              draft=self.proposer(config, reference, repeat),
                               gamma=config.gamma, adaptive=config.adaptive, max_tokens=max_tokens,
                               temperature=s.temperature, seed=s.seed + repeat, ignore_eos=s.ignore_eos,
-                              ngram=s.ngram, lookup=config.lookup)
+                              ngram=s.ngram, lookup=config.lookup, json_schema=s.json_schema, regex=s.regex)
         return result, counter.passes
 
     def measure(self, key: str, prompt_set: str, prompt: Prompt, prompt_ids: list[int], config: RunConfig,
@@ -305,7 +341,7 @@ class Bench:
         same_repeat = baselines[repeat] if len(baselines) > repeat else None
         reference = None if is_baseline else same_repeat["token_ids"]
         started = time.time()
-        result, passes = self.generate(prompt_ids, config, reference, self.settings.max_tokens, repeat)
+        result, passes = self.generate(prompt, prompt_ids, config, reference, self.settings.max_tokens, repeat)
         record = self._record(key, prompt_set, prompt, config, repeat, result, passes, started)
         baseline_tok_s = None
         if not is_baseline:
@@ -321,6 +357,8 @@ class Bench:
             output = self.check_baseline(baselines[0] if baselines else None, result.token_ids)
         else:
             output = self.check_output(prompt_ids, same_repeat["token_ids"], result.token_ids)
+        if self.structure is not None:
+            output = worst([output, self.check_structure(result)])
         checks = run_checks(record, baseline_tok_s, output, self.settings.slack)
         record["audit"] = {**worst(checks.values()).to_dict(), **{k: v.to_dict() for k, v in checks.items()}}
         return record
@@ -334,10 +372,29 @@ class Bench:
         draft = self.drafts.get(config.proposer.label) if kind == "draft" else None
         if kind == "ngram":
             draft = self.proposer(config, None)  # a fresh lookup, as the run's
-        return sampled_evidence(self.target, prompt_ids, got, params, zlib.crc32(key.encode()), draft)
+        return sampled_evidence(self.target, prompt_ids, got, params, zlib.crc32(key.encode()), draft,
+                                self.allowed(got, len(got)))
 
     def check_output(self, prompt_ids: list[int], expected: list[int], got: list[int]) -> Verdict:
-        return check_output(expected, got, lambda at: logit_margin(self.target, prompt_ids, expected[:at]))
+        """A tie is judged among the ids the structure allows there, if any: the choice was made among them."""
+        def margin_at(at: int) -> tuple[float, float]:
+            allowed = self.allowed(expected[:at], at + 1)
+            return logit_margin(self.target, prompt_ids, expected[:at], None if allowed is None else allowed[at])
+        return check_output(expected, got, margin_at)
+
+    def allowed(self, tokens: list[int], rows: int):
+        """[rows, vocab] booleans, row i the ids the structure allows after tokens[:i]; None
+        when the outputs are free."""
+        if self.structure is None:
+            return None
+        state = StructureState(self.structure, self.target.tokenizer, self.target.config.vocab_size)
+        return state.allowed(tokens, rows=rows)
+
+    def check_structure(self, result) -> Verdict:
+        """The output kept to its structure, and ended, if it did, where the structure may."""
+        tokens = result.token_ids
+        return check_structure(tokens, self.allowed(tokens, len(tokens) + 1), result.finish_reason == "eos",
+                               self.target.tokenizer.eos_ids, self.structure.description)
 
     def check_baseline(self, first: dict | None, got: list[int]) -> Verdict:
         """Greedy decoding is deterministic: every repeat of a baseline must give the first one's tokens."""
@@ -363,7 +420,7 @@ class Bench:
             "weights": self.target.weights,
             "dtype": str(self.target.dtype).removeprefix("torch."),
             "kv_cache": self.target.kv_cache,
-            "prompt_set": prompt_set,
+            "prompt_set": self.prompt_set_label(prompt_set),
             "prompt_id": prompt.id,
             "category": prompt.category,
             "proposer": config.proposer.label,
@@ -377,6 +434,8 @@ class Bench:
             "repeat": repeat,
             "max_tokens": self.settings.max_tokens,
             "temperature": self.settings.temperature,
+            "structure": self.settings.structure_key(),
+            "infill": prompt.suffix is not None,
             "prompt_tokens": result.prompt_tokens,
             "completion_tokens": len(result.token_ids),
             "finish_reason": result.finish_reason,

@@ -9,10 +9,12 @@
     adaptive: [false]                # or cost / heuristic
     lookup: [true]                   # with cost: may prompt lookup's drafts take a draft model's rounds
     draft_vocab: [all, 32768]        # a draft model's first ids (and the context's) it may propose (default: auto)
-    prompts: ["spec-bench:coding", prompts.txt]
+    prompts: ["spec-bench:coding", prompts.txt, humaneval-infill]
     limit: 3                         # prompts per set (see verispec.lab.prompts)
     max_tokens: 64
     repeats: 3
+    json_schema: {type: object}      # hold every output to a JSON schema (true: any object), or
+    regex: "[0-9]+"                  # to a regular expression (one of the two at most)
 
 Every run has a key (target, weights, prompt set, prompt, configuration and a draft
 model's format, repeat, token budget, temperature). Runs whose key is already in the
@@ -106,6 +108,10 @@ def sweep_config_from_dict(raw: dict, default_out: str = "results/sweep.jsonl", 
             raise VerispecError(f"{where}: '{key}' must be {expected}, got {_shown(raw[key])}")
     settings = BenchSettings(**{k: v for k, v in values.items() if k in _SETTING_KEYS})
     settings.ngram = tuple(settings.ngram)
+    try:
+        settings.structure()
+    except VerispecError as exc:
+        raise VerispecError(f"{where}: {exc}") from None
     config = SweepConfig(settings=settings, **{k: v for k, v in values.items()
                                                if k not in _SETTING_KEYS})
     config.out = config.out or default_out
@@ -172,6 +178,9 @@ _EXPECTED: dict[str, tuple[Callable[[object], bool], str]] = {
     "bandwidth_gb_s": (_optional(lambda b: is_number(b, 0)), "a number of GB/s >= 0"),
     "slack": (lambda x: is_number(x, high=1) and x > 0, "a number in (0, 1]"),
     "ngram": (_is_ngram, "[MAX, MIN]: two whole numbers >= 1 with MIN <= MAX"),
+    "json_schema": (lambda v: v is None or isinstance(v, (bool, dict)),
+                    "a JSON schema (a mapping), true for any JSON object, or false/null for none"),
+    "regex": (_optional(_text), "a regular expression"),
 }
 assert set(_EXPECTED) == _KEYS, "every key of a sweep needs its check"
 
