@@ -46,6 +46,45 @@ def test_a_drafts_columns_are_masked_as_their_ids(target):
     assert masked[1, digit].isfinite() and not masked[1, 100].isfinite()
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_greedy_choice_masks_only_rows_whose_argmax_is_refused(target, seed):
+    """Each row's argmax after the greedy shortcut is the argmax of the fully masked row, for
+    the target's columns and a limited draft's, with the top id refused, allowed, or tied with
+    an allowed id after it."""
+    from verispec.sampling import greedy_tokens
+    from verispec.spec.draft_model import ColumnMap
+
+    state = StructureState(Structure.regex("[ab]+c"), target.tokenizer, target.config.vocab_size)
+    vocab = tiny.byte_vocab()
+    a, b, c, x = vocab["a"], vocab["b"], vocab["c"], vocab["x"]
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(4, target.config.vocab_size, generator=generator)
+    logits[0, x] = 50.0  # refused: the row is masked
+    logits[1, a] = 50.0  # allowed: the row is left as it is
+    logits[2, [vocab["A"], b]] = 50.0  # a refused id tied with an allowed one after it
+    drafts = [a, b, vocab["ab"]]
+    full = greedy_tokens(state.apply(logits, drafts))
+    assert greedy_tokens(state.apply(logits, drafts, greedy=True)) == full
+    assert full[:3] == [greedy_tokens(logits[0:1].masked_fill(~state.allowed()[0], float("-inf")))[0], a, b]
+    columns = ColumnMap(100, [c], {c: 100})  # a draft of the first 100 ids and one above them
+    narrow = torch.cat([logits[:, :100], logits[:, c:c + 1]], 1)
+    assert (greedy_tokens(state.apply(narrow, drafts, column_of=columns, greedy=True))
+            == greedy_tokens(state.apply(narrow, drafts, column_of=columns)))
+
+
+def test_a_greedy_row_whose_argmax_is_allowed_computes_no_mask(target, monkeypatch):
+    state = StructureState(Structure.regex("[ab]+c"), target.tokenizer, target.config.vocab_size)
+    a = tiny.byte_vocab()["a"]
+    logits = torch.zeros(2, target.config.vocab_size)
+    logits[:, a] = 1.0
+    masks = []
+    real_mask = state._mask
+    monkeypatch.setattr(state, "_mask", lambda matcher: masks.append(1) or real_mask(matcher))
+    assert state.apply(logits, [a], greedy=True) is logits and not masks
+    state.apply(logits, [a])
+    assert len(masks) == 2
+
+
 def json_tokenizer():
     """Byte-level BPE with tokens that span JSON's lexemes, as real vocabularies have them:
     '":', ' "', '"' + newline, ' {' + newline."""

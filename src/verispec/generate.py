@@ -328,7 +328,8 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     started = time.perf_counter()
     cache = model.new_cache(max_len)
     logits, scored_prompt = _prefill(model, prompt_ids, cache, device, prompt_logprobs)
-    first = next_token(rules.apply(logits[None], [])[0] if rules else logits, params, generator)
+    first = next_token(rules.apply(logits[None], [], greedy=params.greedy)[0] if rules else logits, params,
+                       generator)
     prefill_s = time.perf_counter() - started
     stats.rounds, stats.plain = 1, 1
     stats.gammas.append(0)
@@ -375,7 +376,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
         t0 = time.perf_counter()
         feed = torch.tensor([[context[-1], *drafts]], device=device)
         logits = model(feed, cache)[0]
-        choices = rules.apply(logits, drafts) if rules else logits  # logprobs report the raw rows
+        choices = rules.apply(logits, drafts, greedy=params.greedy) if rules else logits  # logprobs: raw rows
         if params.greedy:
             verdict = verify_greedy(choices, drafts)
         else:

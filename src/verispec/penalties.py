@@ -150,24 +150,30 @@ def _column(token: int, width: int, column_of: ColumnOf | None) -> int | None:
 
 
 class LogitsRules:
-    """A request's rules on the logits, applied in turn to every row that chooses a token: the
-    penalty state, then a structure's mask (verispec.structured.StructureState), which must
-    come last, since -inf is final. Each has `add` (tokens that joined the output) and
-    `apply` (rows, drafts, before, column_of), as PenaltyState has."""
+    """A request's rules on the logits, applied to every row that chooses a token: the penalty
+    state, then a structure's mask (verispec.structured.StructureState), which must come last,
+    since -inf is final. Each has `add` (tokens that joined the output) and `apply` (rows,
+    drafts, before, column_of)."""
 
-    def __init__(self, *rules):
-        self.rules = [rule for rule in rules if rule is not None]
+    def __init__(self, penalty: PenaltyState | None = None, structure=None):
+        self.penalty = penalty
+        self.structure = structure
 
     def __bool__(self) -> bool:
-        return bool(self.rules)
+        return self.penalty is not None or self.structure is not None
 
     def add(self, tokens: Iterable[int]) -> None:
         tokens = list(tokens)
-        for rule in self.rules:
-            rule.add(tokens)
+        for rule in (self.penalty, self.structure):
+            if rule is not None:
+                rule.add(tokens)
 
     def apply(self, logits: torch.Tensor, drafts: Sequence[int] = (), before: Sequence[int] = (),
-              column_of: ColumnOf | None = None) -> torch.Tensor:
-        for rule in self.rules:
-            logits = rule.apply(logits, drafts, before, column_of)
+              column_of: ColumnOf | None = None, greedy: bool = False) -> torch.Tensor:
+        """The rows with the rules applied; with `greedy`, for a caller that takes each row's
+        argmax, which the structure then masks only where it refuses it (StructureState.apply)."""
+        if self.penalty is not None:
+            logits = self.penalty.apply(logits, drafts, before, column_of)
+        if self.structure is not None:
+            logits = self.structure.apply(logits, drafts, before, column_of, greedy=greedy)
         return logits

@@ -11,13 +11,15 @@ draft model proposes under the same masks, so its drafts are ones the target may
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from verispec.errors import VerispecError
+from verispec.sampling import greedy_tokens
 
 
 class StructureError(VerispecError):
@@ -130,7 +132,6 @@ class StructureState:
         if self.matcher.is_error():
             raise StructureError(f"{structure.description} could not be compiled: {self.matcher.get_error()}")
         self.vocab_size = vocab_size
-        self._shifts = torch.arange(8, dtype=torch.uint8)
 
     def add(self, tokens: Sequence[int]) -> None:
         """Tokens that joined the output (never an end-of-text token: the text ends there)."""
@@ -141,37 +142,62 @@ class StructureState:
     def allowed(self, drafts: Sequence[int] = (), before: Sequence[int] = (), rows: int = 1) -> torch.Tensor:
         """[rows, vocab] booleans: the ids each row may choose, row i after the output, `before`
         and drafts[:i]. Rows after a token the structure refuses allow every id: verification
-        stops at that token, so no choice is made from them.
+        stops at that token, so no choice is made from them."""
+        out = torch.ones(rows, self.vocab_size, dtype=torch.bool)
+        for row, matcher in self._looking_ahead(drafts, before, rows):
+            out[row] = self._mask(matcher)
+        return out
+
+    def _looking_ahead(self, drafts: Sequence[int], before: Sequence[int], rows: int) -> Iterator[tuple[int, Any]]:
+        """(row, a matcher after the output, `before` and drafts[:row]) for each row that makes a
+        choice, up to the first token the structure refuses.
 
         The look ahead runs on a copy of the matcher (a few microseconds): llguidance 1.9.1's
         rollback after a mask computed ahead can leave the matcher in another state than the
         tokens it holds, which then refuses what a plain step allows
         (tests/test_structured.py, test_looking_ahead_leaves_the_matcher_as_it_was)."""
-        out = torch.ones(rows, self.vocab_size, dtype=torch.bool)
         ahead = self.matcher.deep_copy()
-        if ahead.try_consume_tokens(list(before)) == len(before):
-            for row in range(rows):
-                out[row] = self._mask(ahead)
-                if row == rows - 1 or ahead.try_consume_tokens([drafts[row]]) != 1:
-                    break
-        return out
+        if ahead.try_consume_tokens(list(before)) != len(before):
+            return
+        for row in range(rows):
+            yield row, ahead
+            if row == rows - 1 or ahead.try_consume_tokens([drafts[row]]) != 1:
+                return
 
     def _mask(self, matcher) -> torch.Tensor:
-        """The ids allowed next, from the matcher's bitmask: bit k of byte b is id 8b + k."""
-        packed = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.uint8)
-        return ((packed.unsqueeze(-1) >> self._shifts) & 1).bool().flatten()[:self.vocab_size]
+        """The ids allowed next, from the matcher's bitmask: bit k of byte b is id 8b + k
+        (NumPy unpacks the bits about ten times faster than shifts in torch)."""
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        return torch.from_numpy(bits[:self.vocab_size].view(np.bool_))
 
     def apply(self, logits: torch.Tensor, drafts: Sequence[int] = (), before: Sequence[int] = (),
-              column_of=None) -> torch.Tensor:
+              column_of=None, greedy: bool = False) -> torch.Tensor:
         """Rows [rows, width] with the ids the structure refuses at -inf. The columns are the
         token ids, or where `column_of` is given, those of its `ids` (a draft limited to its
-        first ids and the context's)."""
-        allowed = self.allowed(drafts, before, logits.shape[0])
+        first ids and the context's).
+
+        With `greedy` (the caller takes each row's argmax), a row whose argmax the structure
+        allows is left as it is: masked, its argmax would be that same id, still the first of
+        its equal maxima. Only a row whose argmax is refused pays for the mask, a pass over
+        the vocabulary where checking one id takes under a microsecond."""
         width = logits.shape[-1]
+        choices = greedy_tokens(logits) if greedy else None
+        out = None
+        for row, matcher in self._looking_ahead(drafts, before, logits.shape[0]):
+            if choices is not None:
+                token = choices[row] if column_of is None else int(column_of.ids(width)[choices[row]])
+                if token < self.vocab_size and matcher.validate_tokens([token]) == 1:
+                    continue
+            allowed = self._columns(self._mask(matcher), width, column_of)
+            out = logits.clone() if out is None else out
+            out[row] = out[row].masked_fill(~allowed.to(logits.device), float("-inf"))
+        return logits if out is None else out
+
+    def _columns(self, allowed: torch.Tensor, width: int, column_of) -> torch.Tensor:
+        """One row's allowed ids laid out as the logits' `width` columns: the ids of `column_of`,
+        or the first ids, columns past the vocabulary (a padded embedding) refused."""
         if column_of is not None:
-            allowed = allowed[:, column_of.ids(width)]
-        elif width <= self.vocab_size:
-            allowed = allowed[:, :width]
-        else:
-            allowed = torch.nn.functional.pad(allowed, (0, width - self.vocab_size))
-        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+            return allowed[column_of.ids(width)]
+        if width <= self.vocab_size:
+            return allowed[:width]
+        return torch.nn.functional.pad(allowed, (0, width - self.vocab_size))

@@ -158,7 +158,8 @@ class DraftModelProposer:
             else:
                 logits = self._logits(feed)
             if self.rules:
-                logits = self.rules.apply(logits[None], before=tokens, column_of=column_of)[0]
+                logits = self.rules.apply(logits[None], before=tokens, column_of=column_of,
+                                          greedy=params.greedy)[0]
             if params.greedy:
                 token = self._token(greedy_token(logits))
             else:
