@@ -739,9 +739,10 @@ def test_requests_queue_for_the_model_while_health_and_metrics_answer(target):
     assert not engine.lock.locked()
 
 
-def test_serving_with_no_lookup_keeps_adaptive_rounds_to_the_draft_model(target):
+def test_serving_with_no_lookup_keeps_adaptive_rounds_to_the_draft_model(target, clock):
     """`verispec serve --no-lookup` (create_app(lookup=False)): every request decodes without
-    prompt lookup's drafts in the draft model's place; by default they may be sent."""
+    prompt lookup's drafts in the draft model's place; by default they may be sent (the
+    policy's costs from the modelled clock, whatever the machine's load)."""
     from verispec.generate import generate as run
     from verispec.server.schemas import CompletionRequest
 

@@ -440,10 +440,12 @@ def test_cost_aware_policy_sends_prompt_lookups_drafts_where_they_promise_more()
     assert policy.lookup_gamma(6, 4) == 0
 
 
-def test_adaptive_sends_prompt_lookups_drafts_and_the_output_stays_the_targets(target):
+def test_adaptive_sends_prompt_lookups_drafts_and_the_output_stays_the_targets(target, clock):
     """A text that repeats itself gives prompt lookup continuations: with --adaptive and a
     draft model, some rounds send them in the draft model's place, counted apart; greedy
-    output is the target's own either way, and `lookup=False` keeps to the draft model."""
+    output is the target's own either way, and `lookup=False` keeps to the draft model.
+    The policy weighs measured costs, so they come from the modelled clock, not from how
+    busy the machine is."""
     prompt = PROMPT * 4
     plain = generate(target, prompt, max_tokens=60, ignore_eos=True)
     mixed = generate(target, prompt, draft=target, gamma=4, adaptive="cost", max_tokens=60, ignore_eos=True)
