@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tiny
-from verispec.cli import main
+from test_lab import run_cli
 from verispec.errors import VerispecError
 from verispec.lab import audit, bench, report, sweep
 from verispec.lab.prompts import HUMANEVAL_ENV, Prompt, load_prompts
@@ -244,16 +244,6 @@ def test_a_sweep_takes_a_structure_and_refuses_a_bad_one():
         sweep.sweep_config_from_dict({**base, "json_schema": "object"})
     with pytest.raises(VerispecError, match="sweep: the regular expression"):
         sweep.sweep_config_from_dict({**base, "regex": "("})
-
-
-def run_cli(capsys, *argv) -> tuple[int, str]:
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    assert "Traceback" not in out + err
-    return code, out + err
 
 
 def test_bench_command_holds_outputs_to_a_schema(folders, loaded, tmp_path, capsys, monkeypatch):

@@ -190,7 +190,7 @@ class StructureState:
                     continue
             allowed = self._columns(self._mask(matcher), width, column_of)
             out = logits.clone() if out is None else out
-            out[row] = out[row].masked_fill(~allowed.to(logits.device), float("-inf"))
+            out[row].masked_fill_(~allowed.to(logits.device), float("-inf"))
         return logits if out is None else out
 
     def _columns(self, allowed: torch.Tensor, width: int, column_of) -> torch.Tensor:
