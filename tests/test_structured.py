@@ -72,6 +72,18 @@ def test_a_greedy_choice_masks_only_rows_whose_argmax_is_refused(target, seed):
             == greedy_tokens(state.apply(narrow, drafts, column_of=columns)))
 
 
+def test_an_id_the_matcher_validates_is_one_its_mask_allows(target):
+    """What the greedy shortcut rests on: along a path through a structure, every id that
+    validate_tokens accepts is set in the mask (the mask may allow more: at the end, the
+    end-of-text id, which the shortcut then masks for)."""
+    state = StructureState(Structure.json(SCHEMA), target.tokenizer, target.config.vocab_size)
+    path = target.tokenizer.encode('{"ok": true, "n": 12}')
+    for row, matcher in state._looking_ahead(path, (), len(path) + 1):
+        mask = state._mask(matcher)
+        valid = [i for i in range(target.config.vocab_size) if matcher.validate_tokens([i])]
+        assert mask[valid].all() and (valid or row == len(path)), row  # none valid once the object is whole
+
+
 def test_a_greedy_row_whose_argmax_is_allowed_computes_no_mask(target, monkeypatch):
     state = StructureState(Structure.regex("[ab]+c"), target.tokenizer, target.config.vocab_size)
     a = tiny.byte_vocab()["a"]

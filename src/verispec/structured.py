@@ -166,7 +166,7 @@ class StructureState:
 
     def _mask(self, matcher) -> torch.Tensor:
         """The ids allowed next, from the matcher's bitmask: bit k of byte b is id 8b + k
-        (NumPy unpacks the bits about ten times faster than shifts in torch)."""
+        (NumPy unpacks the bits in one call, where shifts in torch take several passes)."""
         bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
         return torch.from_numpy(bits[:self.vocab_size].view(np.bool_))
 
@@ -182,12 +182,12 @@ class StructureState:
         the vocabulary where checking one id takes under a microsecond."""
         width = logits.shape[-1]
         choices = greedy_tokens(logits) if greedy else None
+        if choices is not None and column_of is not None:  # the columns' token ids
+            choices = column_of.ids(width)[choices].tolist()
         out = None
         for row, matcher in self._looking_ahead(drafts, before, logits.shape[0]):
-            if choices is not None:
-                token = choices[row] if column_of is None else int(column_of.ids(width)[choices[row]])
-                if token < self.vocab_size and matcher.validate_tokens([token]) == 1:
-                    continue
+            if choices is not None and choices[row] < self.vocab_size and matcher.validate_tokens([choices[row]]):
+                continue
             allowed = self._columns(self._mask(matcher), width, column_of)
             out = logits.clone() if out is None else out
             out[row].masked_fill_(~allowed.to(logits.device), float("-inf"))
