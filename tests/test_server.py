@@ -434,6 +434,43 @@ def test_n_choices_stream_by_index(spec_client):
             assert whole["verispec"][count] == sum(f[count] for f in finals) > 0
 
 
+def test_a_batch_of_prompts_answers_each_in_turn(client, spec_client, target):
+    """OpenAI's batch: prompt k's n choices are choices k·n to k·n + n - 1, each the answer of
+    that prompt alone; each prompt counts once in the usage, and echoes its own text."""
+    other = "a dog ran after the cat"
+    request = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "echo": True, "logprobs": 0}
+    for server in (client, spec_client):
+        alone = [server.post("/v1/completions", json={**request, "prompt": p}).json()["choices"][0]
+                 for p in (PROMPT, other)]
+        body = server.post("/v1/completions", json={**request, "prompt": [PROMPT, other], "n": 2}).json()
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+        assert [c["text"] for c in body["choices"]] == [alone[0]["text"]] * 2 + [alone[1]["text"]] * 2
+        assert body["choices"][2]["text"].startswith(other)
+        assert body["choices"][3]["logprobs"] == alone[1]["logprobs"]
+        prompt_tokens = [len(target.tokenizer.encode(p)) for p in (PROMPT, other)]
+        assert body["usage"] == {"prompt_tokens": sum(prompt_tokens), "completion_tokens": 24,
+                                 "total_tokens": sum(prompt_tokens) + 24}
+    ids = [target.tokenizer.encode(p) for p in (PROMPT, other)]
+    def texts(prompt) -> list[str]:
+        body = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0}).json()
+        return [c["text"] for c in body["choices"]]
+
+    assert texts(ids) == texts(ids[0]) + texts(ids[1])  # a batch of token-id prompts
+
+
+def test_a_batch_of_prompts_streams_choice_after_choice(spec_client):
+    request = {"prompt": [PROMPT, "a dog ran"], "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+               "echo": True}
+    whole = spec_client.post("/v1/completions", json=request).json()
+    chunks = sse_payloads(spec_client.post("/v1/completions", json={**request, "stream": True,
+                                                                    "stream_options": {"include_usage": True}}))
+    assert chunks[-2]["usage"] == whole["usage"]
+    for choice in whole["choices"]:
+        parts = [c["choices"][0]["text"] for c in chunks[:-2] if c["choices"][0]["index"] == choice["index"]]
+        assert "".join(parts) == choice["text"]
+    assert whole["choices"][1]["text"].startswith("a dog ran")
+
+
 def test_seeds_of_later_choices_wrap_within_64_bits():
     from verispec.sampling import SEED_MAX
     from verispec.server.app import Job
@@ -599,7 +636,11 @@ def assert_error(response, status: int, *fragments: str) -> dict:
     ({"prompt": PROMPT, "stop_token_ids": ["a"]}, ["stop_token_ids", "valid integer"], "stop_token_ids"),
     ({"prompt": PROMPT, "min_tokens": -1}, ["min_tokens", "greater than or equal to 0"], "min_tokens"),
     ({"prompt": PROMPT, "min_tokens": 20}, ["min_tokens (20) is more than max_tokens (16)"], None),
-    ({"prompt": [PROMPT, PROMPT]}, ["one prompt per request"], "prompt"),
+    ({"prompt": [PROMPT] * 65, "n": 2}, ["at most 128 completions", "got 130"], None),
+    ({"prompt": [PROMPT, ""]}, ["prompt 1 of the batch", "prompt is empty"], None),
+    ({"prompt": [[1, 2], [3, 99999]]}, ["prompt 1 of the batch", "99999", "outside the model's vocabulary"], None),
+    ({"prompt": [PROMPT, [1, 2]]}, ["prompt must be"], "prompt"),
+    ({"prompt": [PROMPT, [1]], "suffix": "x"}, ["prompt must be"], "prompt"),
     ({"prompt": PROMPT, "stop": 5}, ["stop must be a string or a list of strings"], "stop"),
     ({"prompt": 5}, ["prompt must be a string, a list of token ids"], "prompt"),
     ({"prompt": ""}, ["prompt is empty"], None),
@@ -749,7 +790,7 @@ def test_serving_with_no_lookup_keeps_adaptive_rounds_to_the_draft_model(target,
     request = CompletionRequest(prompt=PROMPT * 3, max_tokens=30, ignore_eos=True, temperature=0)
     for lookup in (True, False):
         engine = create_app(target, draft=target, gamma=4, adaptive="cost", lookup=lookup).state.engine
-        options = engine.completion_job(request).options
+        options = engine.completion_jobs(request)[0].options
         assert options["lookup"] is lookup
         result = run(target, PROMPT * 3, **options)
         assert (result.spec.lookup_drafted > 0) is lookup
@@ -761,10 +802,10 @@ def test_a_client_leaving_mid_stream_frees_the_model(target):
 
     app = create_app(target)
     engine = app.state.engine
-    job = engine.completion_job(CompletionRequest(prompt=PROMPT, max_tokens=40, ignore_eos=True))
+    job, = engine.completion_jobs(CompletionRequest(prompt=PROMPT, max_tokens=40, ignore_eos=True))
 
     async def leave_after_one_token():
-        events = engine.events(job)
+        events = engine.events([job])
         index, first = await events.__anext__()
         assert engine.lock.locked() and index == 0
         await events.aclose()

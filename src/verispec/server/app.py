@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP API over one model, decoded plainly or speculatively.
 
-Every request runs `verispec.generate.stream` once per choice, one request at
-a time (batch 1): the model sits behind a lock, and decoding runs in a worker
+Every request runs `verispec.generate.stream` once per choice (and per prompt of a
+batch of prompts), one request at a time (batch 1): the model sits behind a lock, and decoding runs in a worker
 thread so that the event loop keeps answering /health and /metrics meanwhile. Prompts are encoded
 and checked before a request queues for the model, so a user's mistake is a
 400 with OpenAI's error body, never a 500 or a half-sent stream.
@@ -89,8 +89,23 @@ class Engine:
         self.metrics = ServerMetrics(self.name, positions)
 
     # -- checking a request
-    def completion_job(self, request: CompletionRequest) -> Job:
-        prompt, suffix = request.prompt, request.suffix or None
+    def completion_jobs(self, request: CompletionRequest) -> list[Job]:
+        """One job per prompt: the request's prompt, or each of a batch's, all checked before
+        any of them queues (a mistake in one names its place in the batch)."""
+        prompts = request.prompts
+        jobs = []
+        for index, prompt in enumerate(prompts):
+            try:
+                jobs.append(self.completion_job(request, prompt))
+            except VerispecError as exc:
+                if len(prompts) == 1:
+                    raise
+                raise type(exc)(f"prompt {index} of the batch: {exc}") from None
+        return jobs
+
+    def completion_job(self, request: CompletionRequest, prompt: str | list[int]) -> Job:
+        """The job of one of the request's prompts."""
+        suffix = request.suffix or None
         if suffix is not None:  # the ids stream() reads; may raise InfillError
             prompt_ids = encode_prompt(self.target.tokenizer, prompt, False, suffix)
         elif isinstance(prompt, str):
@@ -177,10 +192,11 @@ class Engine:
             self.metrics.running.dec()
             self.lock.release()
 
-    async def complete(self, job: Job) -> list[GenerationResult]:
-        """Every choice's result, in order."""
+    async def complete(self, jobs: list[Job]) -> list[GenerationResult]:
+        """Every choice's result, prompt after prompt, in order."""
         async with self.turn():
-            return [await anyio.to_thread.run_sync(self._run_to_end, job, index) for index in range(job.choices)]
+            return [await anyio.to_thread.run_sync(self._run_to_end, job, index)
+                    for job in jobs for index in range(job.choices)]
 
     def _run_to_end(self, job: Job, index: int) -> GenerationResult:
         for event in stream(self.target, job.stream_prompt, **job.choice_options(index)):
@@ -189,11 +205,12 @@ class Engine:
                 return event.result
         raise AssertionError("stream ended without a Finished event")
 
-    async def events(self, job: Job) -> AsyncIterator[tuple[int, Event]]:
-        """The events of one request, each with its choice's index, choice after choice; the
-        model is held until the last one (or the client leaves)."""
+    async def events(self, jobs: list[Job]) -> AsyncIterator[tuple[int, Event]]:
+        """The events of one request, each with its choice's index, choice after choice and
+        prompt after prompt; the model is held until the last one (or the client leaves)."""
         async with self.turn():
-            for index in range(job.choices):
+            choices = [(job, index) for job in jobs for index in range(job.choices)]
+            for flat, (job, index) in enumerate(choices):
                 events = stream(self.target, job.stream_prompt, **job.choice_options(index))
                 finished, generated = False, 0
                 try:
@@ -203,7 +220,7 @@ class Engine:
                             self._record(event.result)
                         elif isinstance(event, Token):
                             generated += 1
-                        yield index, event
+                        yield flat, event
                 finally:
                     events.close()
                     if not finished:
@@ -250,48 +267,52 @@ def create_app(target, draft=None, gamma: int = 4, adaptive: bool | str = False,
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest) -> Response:
-        return await _answer(engine, engine.completion_job(request), request, chat=False)
+        return await _answer(engine, engine.completion_jobs(request), request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest) -> Response:
-        return await _answer(engine, engine.chat_job(request), request, chat=True)
+        return await _answer(engine, [engine.chat_job(request)], request, chat=True)
 
     return app
 
 
-async def _answer(engine: Engine, job: Job, request: DecodingRequest, chat: bool) -> Response:
+async def _answer(engine: Engine, jobs: list[Job], request: DecodingRequest, chat: bool) -> Response:
+    choices = [job for job in jobs for _ in range(job.choices)]  # the job of each choice, in order
     logprobs = None
     if request.alternatives is not None:  # one per choice: each keeps its own text offsets
-        logprobs = [LogprobsShape(engine.target.tokenizer, chat) for _ in range(job.choices)]
-    shape = ResponseShape(engine.name, chat, engine.draft_name, logprobs, job.echo)
+        logprobs = [LogprobsShape(engine.target.tokenizer, chat) for _ in choices]
+    shape = ResponseShape(engine.name, chat, engine.draft_name, logprobs, [job.echo for job in choices],
+                          per_prompt=jobs[0].choices)
     if request.stream:
-        return StreamingResponse(_sse_stream(engine, job, shape, request.include_usage),
+        return StreamingResponse(_sse_stream(engine, jobs, shape, request.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    return JSONResponse(shape.full(await engine.complete(job)))
+    return JSONResponse(shape.full(await engine.complete(jobs)))
 
 
 def _opening(shape: ResponseShape, index: int) -> list[str]:
     """What a choice's stream starts with: chat's role, a completion's echoed prompt (which,
     with log-probabilities, waits for the prompt to be scored)."""
     chunks = [sse(shape.chunk("", role=True, index=index))] if shape.chat else []
-    if shape.echo is not None and shape.logprobs is None:
-        chunks.append(sse(shape.chunk(shape.echo.text, index=index)))
+    echo = shape.echo(index)
+    if echo is not None and shape.logprobs is None:
+        chunks.append(sse(shape.chunk(echo.text, index=index)))
     return chunks
 
 
-async def _sse_stream(engine: Engine, job: Job, shape: ResponseShape, include_usage: bool) -> AsyncIterator[str]:
+async def _sse_stream(engine: Engine, jobs: list[Job], shape: ResponseShape,
+                      include_usage: bool) -> AsyncIterator[str]:
     for chunk in _opening(shape, 0):  # sent at once, before the model is free
         yield chunk
     opened, results = 0, []
     unsent: list[tuple[int, Logprob]] = []  # log-probabilities of tokens whose text is not sent yet
     try:
-        async for index, event in engine.events(job):
+        async for index, event in engine.events(jobs):
             if index != opened:
                 opened = index
                 for chunk in _opening(shape, index):
                     yield chunk
             if isinstance(event, Prompt):  # echo with log-probabilities: the prompt's come first
-                yield sse(shape.chunk(shape.echo.text, tokens=list(zip(event.token_ids, event.logprobs)),
+                yield sse(shape.chunk(shape.echo(index).text, tokens=list(zip(event.token_ids, event.logprobs)),
                                       index=index))
                 continue
             if isinstance(event, Finished):

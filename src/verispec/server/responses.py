@@ -16,9 +16,11 @@ from verispec.events import GenerationResult, Logprob, SpecStats
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
-def usage(results: Sequence[GenerationResult]) -> dict[str, int]:
-    """One request's tokens: its prompt once, every choice's completion."""
-    prompt, completion = results[0].prompt_tokens, sum(len(r.token_ids) for r in results)
+def usage(results: Sequence[GenerationResult], per_prompt: int = 1) -> dict[str, int]:
+    """One request's tokens: each prompt once (its `per_prompt` choices come one after
+    another), every choice's completion."""
+    prompt = sum(r.prompt_tokens for r in results[::per_prompt])
+    completion = sum(len(r.token_ids) for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -126,12 +128,17 @@ class ResponseShape:
     chat: bool
     draft: str | None = None
     logprobs: list[LogprobsShape] | None = None  # one per choice, when the request asks for log-probabilities
-    echo: Echo | None = None  # when a completion asks for its prompt before its text
+    echoes: list[Echo | None] | None = None  # per choice: its prompt, when a completion asks for it first
+    per_prompt: int = 1  # choices of each prompt (n), which come one after another
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+    def echo(self, index: int) -> Echo | None:
+        """The prompt that choice `index` answers before its text, if it asked for it."""
+        return self.echoes[index] if self.echoes else None
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
@@ -139,7 +146,7 @@ class ResponseShape:
     def full(self, results: Sequence[GenerationResult]) -> dict[str, Any]:
         body = self._envelope("chat.completion" if self.chat else "text_completion",
                               [self._choice(index, result) for index, result in enumerate(results)])
-        body["usage"] = usage(results)
+        body["usage"] = usage(results, self.per_prompt)
         body["verispec"] = decoding_summary(results, self.draft)
         return body
 
@@ -148,12 +155,14 @@ class ResponseShape:
         if self.chat:
             choice["message"] = {"role": "assistant", "content": result.text}
         else:
-            choice["text"] = (self.echo.text if self.echo else "") + result.text
+            echo = self.echo(index)
+            choice["text"] = (echo.text if echo else "") + result.text
         logprobs = None
         if self.logprobs is not None and result.logprobs is not None:
             ids, values = result.token_ids, result.logprobs
-            if self.echo is not None and result.prompt_logprobs is not None:
-                ids, values = [*self.echo.ids, *ids], [*result.prompt_logprobs, *values]
+            echo = self.echo(index)
+            if echo is not None and result.prompt_logprobs is not None:
+                ids, values = [*echo.ids, *ids], [*result.prompt_logprobs, *values]
             logprobs = self.logprobs[index].body(ids, values)
         choice.update(logprobs=logprobs, finish_reason=FINISH_REASONS[result.finish_reason])
         return choice
@@ -185,5 +194,5 @@ class ResponseShape:
 
     def usage_chunk(self, results: Sequence[GenerationResult]) -> dict[str, Any]:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
-        body["usage"] = usage(results)
+        body["usage"] = usage(results, self.per_prompt)
         return body

@@ -16,7 +16,7 @@ from verispec.events import MAX_TOP_LOGPROBS
 from verispec.penalties import MAX_ADDITIVE, MAX_BIAS
 from verispec.sampling import SEED_MAX, SEED_MIN
 
-MAX_CHOICES = 128  # as OpenAI's chat API allows
+MAX_CHOICES = 128  # as OpenAI's chat API allows; on /v1/completions, n × the prompts of a batch
 
 # field -> the values that ask for nothing beyond plain decoding
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
@@ -29,7 +29,7 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 
 # what a field whose type is a union accepts, for error messages
 EXPECTED_SHAPES = {
-    "prompt": "a string, a list of token ids, or a list holding one of these",
+    "prompt": "a string, a list of token ids, or a batch: a list of strings or of lists of token ids",
     "stop": "a string or a list of strings",
     "content": "a string or a list of text parts",
 }
@@ -115,7 +115,7 @@ class DecodingRequest(BaseModel):
 
 
 class CompletionRequest(DecodingRequest):
-    # text, token ids, or a batch of one of them
+    # text, token ids, or a batch of either: each prompt's choices in turn, indexed prompt after prompt
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # the likeliest ids per token
     echo: bool | None = False  # the prompt before the completion, and its tokens' log-probabilities
@@ -132,7 +132,7 @@ class CompletionRequest(DecodingRequest):
 
     @model_validator(mode="after")
     def _suffix_after_text(self) -> "CompletionRequest":
-        if self.suffix and not isinstance(self.prompt, str):
+        if self.suffix and not all(isinstance(prompt, str) for prompt in self.prompts):
             raise ValueError("a suffix fills in the middle after a text prompt; send the prompt as text")
         if self.suffix and self.echo:
             raise ValueError("echo and suffix cannot be used together")
@@ -153,14 +153,20 @@ class CompletionRequest(DecodingRequest):
     def alternatives(self) -> int | None:
         return self.logprobs
 
-    @field_validator("prompt")
-    @classmethod
-    def _single_prompt(cls, prompt):
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ValueError(f"send one prompt per request, got a batch of {len(prompt)}")
-            return prompt[0]
-        return prompt
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: its one prompt, or a batch's in order."""
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            return list(self.prompt)
+        return [self.prompt]
+
+    @model_validator(mode="after")
+    def _completions_within_bounds(self) -> "CompletionRequest":
+        wanted = len(self.prompts) * (self.n or 1)
+        if wanted > MAX_CHOICES:
+            raise ValueError(f"a request asks for at most {MAX_CHOICES} completions (n × the prompts of a batch), "
+                             f"got {wanted}")
+        return self
 
 
 class TextPart(BaseModel):
