@@ -1,10 +1,10 @@
 """An OpenAI-compatible HTTP API over one model, decoded plainly or speculatively.
 
 Every request runs `verispec.generate.stream` once per choice (and per prompt of a
-batch of prompts), one request at a time (batch 1): the model sits behind a lock, and decoding runs in a worker
-thread so that the event loop keeps answering /health and /metrics meanwhile. Prompts are encoded
-and checked before a request queues for the model, so a user's mistake is a
-400 with OpenAI's error body, never a 500 or a half-sent stream.
+batch of prompts), one request at a time (batch 1): the model sits behind a lock, and
+decoding runs in a worker thread so that the event loop keeps answering /health and
+/metrics meanwhile. Prompts are encoded and checked before a request queues for the model,
+so a user's mistake is a 400 with OpenAI's error body, never a 500 or a half-sent stream.
 
 Any model name in a request is accepted: the server has one model, and the
 responses name it (the name `GET /v1/models` lists).
@@ -91,19 +91,25 @@ class Engine:
     # -- checking a request
     def completion_jobs(self, request: CompletionRequest) -> list[Job]:
         """One job per prompt: the request's prompt, or each of a batch's, all checked before
-        any of them queues (a mistake in one names its place in the batch)."""
+        any of them queues (a mistake in one prompt names its place in the batch)."""
+        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if request.max_tokens is None else request.max_tokens
+        options = self._options(request, max_tokens)
+        if request.suffix:  # stream() frames the gap, and ends the text where a middle ends
+            options["suffix"] = request.suffix
+        if request.echo:
+            options["prompt_logprobs"] = request.logprobs
         prompts = request.prompts
         jobs = []
         for index, prompt in enumerate(prompts):
             try:
-                jobs.append(self.completion_job(request, prompt))
+                jobs.append(self._completion_job(prompt, request, options))
             except VerispecError as exc:
                 if len(prompts) == 1:
                     raise
                 raise type(exc)(f"prompt {index} of the batch: {exc}") from None
         return jobs
 
-    def completion_job(self, request: CompletionRequest, prompt: str | list[int]) -> Job:
+    def _completion_job(self, prompt: str | list[int], request: CompletionRequest, options: dict[str, Any]) -> Job:
         """The job of one of the request's prompts."""
         suffix = request.suffix or None
         if suffix is not None:  # the ids stream() reads; may raise InfillError
@@ -112,24 +118,23 @@ class Engine:
             prompt_ids = self.target.tokenizer.encode(prompt)
         else:
             prompt_ids = self._checked_ids(prompt)
-        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if request.max_tokens is None else request.max_tokens
-        job = self._job(prompt_ids, max_tokens, request)
-        if suffix is not None:  # stream() builds the same ids, and ends the text where a middle ends
-            job.prompt, job.options["suffix"] = prompt, suffix
+        job = Job(self._checked_prompt(prompt_ids), dict(options), choices=request.n or 1)
+        if suffix is not None:
+            job.prompt = prompt
         if request.echo:  # ids are echoed with their special tokens, as their log-probabilities list them
             tokenizer = self.target.tokenizer
             text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids, skip_special_tokens=False)
             job.echo = Echo(text, prompt_ids)
-            job.options["prompt_logprobs"] = request.logprobs
         return job
 
     def chat_job(self, request: ChatCompletionRequest) -> Job:
         tokenizer = self.target.tokenizer
         if not tokenizer.chat_template:
             raise VerispecError(f"{self.name} has no chat template; use /v1/completions with a plain prompt")
-        prompt_ids = tokenizer.encode_chat([m.for_template() for m in request.messages])  # may raise ChatTemplateError
         max_tokens = request.max_completion_tokens or request.max_tokens or self.context_size
-        return self._job(prompt_ids, max_tokens, request)
+        options = self._options(request, max_tokens)
+        prompt_ids = tokenizer.encode_chat([m.for_template() for m in request.messages])  # may raise ChatTemplateError
+        return Job(self._checked_prompt(prompt_ids), options, choices=request.n or 1)
 
     def _checked_ids(self, ids: list[int]) -> list[int]:
         vocab = self.target.config.vocab_size
@@ -138,13 +143,18 @@ class Engine:
             raise VerispecError(f"token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})")
         return ids
 
-    def _job(self, prompt_ids: list[int], max_tokens: int, request: DecodingRequest) -> Job:
+    def _checked_prompt(self, prompt_ids: list[int]) -> list[int]:
+        """A prompt's ids, once they are known to leave room in the context."""
         if not prompt_ids:
             raise VerispecError("the prompt is empty")
         if len(prompt_ids) >= self.context_size:
             raise ContextOverflowError(
                 f"this model's maximum context length is {self.context_size} tokens, but the prompt has "
                 f"{len(prompt_ids)} tokens; shorten the prompt")
+        return prompt_ids
+
+    def _options(self, request: DecodingRequest, max_tokens: int) -> dict[str, Any]:
+        """stream()'s options for the request, whatever its prompts, checked once."""
         self._checked_ids([*(request.logit_bias or ()), *(request.stop_token_ids or ())])
         if (request.min_tokens or 0) > max_tokens:
             raise VerispecError(f"min_tokens ({request.min_tokens}) is more than max_tokens ({max_tokens})")
@@ -152,7 +162,7 @@ class Engine:
         # compiled here too, so that a bad schema or regular expression is refused before queueing
         request_structure(json_schema, request.guided_regex, self.target.tokenizer, self.target.config.vocab_size,
                           request.ignore_eos, request.min_tokens or 0)
-        options = dict(
+        return dict(
             max_tokens=max_tokens,  # stream() trims it to what the context has room for
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
@@ -174,7 +184,6 @@ class Engine:
             json_schema=json_schema,
             regex=request.guided_regex,
         )
-        return Job(prompt_ids, options, choices=request.n or 1)
 
     # -- decoding
     @asynccontextmanager
