@@ -170,6 +170,22 @@ def test_a_tie_is_judged_among_the_ids_the_structure_allows(loaded):
                                                                            abs=1e-5)
 
 
+def test_a_held_runs_difference_is_weighed_among_the_allowed_ids(loaded):
+    """Bench.check_output at a difference under a structure: the margin is that of the ids
+    the structure allowed there, not of the whole row."""
+    target = loaded["target"]
+    runner = bench.Bench(target, settings(regex="a[0-9]+"), label="tiny")
+    vocab = tiny.byte_vocab()
+    prompt_ids = target.tokenizer.encode("the cat")
+    expected, got = [vocab["a"], vocab["1"]], [vocab["a"], vocab["2"]]
+    verdict = runner.check_output(prompt_ids, expected, got)
+    digits = torch.zeros(target.config.vocab_size, dtype=torch.bool)
+    digits[[vocab[str(d)] for d in range(10)]] = True
+    held = audit.logit_margin(target, prompt_ids, expected[:1], digits)[0]
+    assert verdict.margin == pytest.approx(held)
+    assert held != pytest.approx(audit.logit_margin(target, prompt_ids, expected[:1])[0])
+
+
 def test_sampled_held_runs_are_tested_against_the_held_distribution(loaded):
     records = run(loaded, ["same"], prompts("the cat"), json_schema=SCHEMA, temperature=1.0, max_tokens=12)
     for r in records:

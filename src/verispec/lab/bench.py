@@ -378,17 +378,18 @@ class Bench:
     def check_output(self, prompt_ids: list[int], expected: list[int], got: list[int]) -> Verdict:
         """A tie is judged among the ids the structure allows there, if any: the choice was made among them."""
         def margin_at(at: int) -> tuple[float, float]:
-            allowed = self.allowed(expected[:at], at + 1)
-            return logit_margin(self.target, prompt_ids, expected[:at], None if allowed is None else allowed[at])
+            allowed = None if self.structure is None else self._matcher().allowed(before=expected[:at])[0]
+            return logit_margin(self.target, prompt_ids, expected[:at], allowed)
         return check_output(expected, got, margin_at)
 
     def allowed(self, tokens: list[int], rows: int):
         """[rows, vocab] booleans, row i the ids the structure allows after tokens[:i]; None
         when the outputs are free."""
-        if self.structure is None:
-            return None
-        state = StructureState(self.structure, self.target.tokenizer, self.target.config.vocab_size)
-        return state.allowed(tokens, rows=rows)
+        return None if self.structure is None else self._matcher().allowed(tokens, rows=rows)
+
+    def _matcher(self) -> StructureState:
+        """A fresh matcher of the outputs' structure, at the start of an output."""
+        return StructureState(self.structure, self.target.tokenizer, self.target.config.vocab_size)
 
     def check_structure(self, result) -> Verdict:
         """The output kept to its structure, and ended, if it did, where the structure may."""
