@@ -46,6 +46,7 @@ class ColumnMap:
         return torch.cat([torch.arange(min(width, self.limit)),
                           torch.tensor(self.extra_ids[:max(0, width - self.limit)], dtype=torch.long)])
 
+
 class DraftModelProposer:
     """Drafts γ tokens one step at a time.
 
