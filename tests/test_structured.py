@@ -1,4 +1,4 @@
-"""Structured output (`json_schema`, `regex`): the output keeps to its structure, plainly,
+"""Structured output (`json_schema`, `regex`, `grammar`): the output keeps to its structure, plainly,
 speculatively and sampled; speculation keeps the constrained target's output exact; a draft
 limited to its first ids is masked through its columns; clear errors; the command line."""
 
@@ -18,6 +18,7 @@ PROMPT = "def add(a, b):"
 PATTERN = "[ab]{3}c(cd|t)?"
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
           "required": ["ok", "n"], "additionalProperties": False}
+GRAMMAR = 'start: ("yes" | "no") " " value\nvalue: %json {"type": "integer", "minimum": 0, "maximum": 99}'
 
 
 def test_the_mask_allows_what_keeps_the_text_on_course(target):
@@ -139,7 +140,12 @@ def test_a_regex_output_matches_whole_and_ends_there(target):
     assert result.text != generate(target, PROMPT, max_tokens=len(result.token_ids)).text
 
 
-@pytest.mark.parametrize("structure", [{"regex": PATTERN}, {"json_schema": SCHEMA}])
+def test_a_grammar_output_is_derived_from_it(target):
+    result = generate(target, PROMPT, grammar=GRAMMAR, max_tokens=20)
+    assert re.fullmatch(r"(yes|no) (\d|[1-9]\d)", result.text) and result.finish_reason == "eos"
+
+
+@pytest.mark.parametrize("structure", [{"regex": PATTERN}, {"json_schema": SCHEMA}, {"grammar": GRAMMAR}])
 def test_speculation_keeps_the_constrained_output(target, unrelated, structure):
     plain = generate(target, PROMPT, max_tokens=48, **structure)
     for draft in (target, unrelated, "ngram"):
@@ -185,7 +191,10 @@ def test_sampled_output_keeps_its_structure(target, unrelated):
     ({"regex": "[ab"}, "could not be compiled"),
     ({"json_schema": {"type": "nonsense"}}, "could not be compiled"),
     ({"json_schema": [1, 2]}, "is a JSON object"),
-    ({"regex": "a", "json_schema": SCHEMA}, "not both"),
+    ({"regex": "a", "json_schema": SCHEMA}, "not a JSON schema and a regular expression"),
+    ({"grammar": 'start: "a"', "json_schema": True}, "not a JSON schema and a grammar"),
+    ({"grammar": "start: (", "json_schema": None}, "the grammar could not be compiled"),
+    ({"grammar": " "}, "a grammar is a non-empty string"),
     ({"regex": "a+", "ignore_eos": True}, "leave out ignore_eos"),
     ({"regex": "a+", "min_tokens": 2}, "leave out ignore_eos and min_tokens"),
 ])

@@ -224,7 +224,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
            frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
            logit_bias: Mapping[int, float] | None = None, stop_token_ids: Sequence[int] = (),
            min_tokens: int = 0, suffix: str | None = None, json_schema: dict[str, Any] | bool | None = None,
-           regex: str | None = None) -> Iterator[Event]:
+           regex: str | None = None, grammar: str | None = None) -> Iterator[Event]:
     """Decode from `target` (a LoadedModel); with `draft`, speculatively. Yields Token events, then Finished.
     With `logprobs` (0 to MAX_TOP_LOGPROBS), every token carries the target's log-probability
     of it and of its `logprobs` most likely alternatives (`token_logprob`); with
@@ -244,9 +244,10 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     With `suffix`, a code model trained for it fills in the middle: it writes the text that
     goes between the prompt and the suffix, and the tokens that end a middle end the text
     as the end-of-text token does (`Tokenizer.infill_end_ids`).
-    With `json_schema` (a schema, or True for any JSON object) or `regex`, the output is held
-    to it (`verispec.structured`): every choice, plain, verifying or drafting, is made among
-    the ids that keep the text on course, and the text ends where the structure does."""
+    With `json_schema` (a schema, or True for any JSON object), `regex` or `grammar` (Lark, in
+    llguidance's dialect), the output is held to it (`verispec.structured`): every choice,
+    plain, verifying or drafting, is made among the ids that keep the text on course, and the
+    text ends where the structure does."""
     if not is_whole(max_tokens, 0):
         raise VerispecError(f"max tokens must be a whole number >= 0, got {max_tokens!r}")
     if not is_whole(min_tokens, 0, max_tokens):
@@ -289,7 +290,7 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
     stats = SpecStats(draft_vocab=getattr(proposer, "limited_to", None))
     eos_ids = set() if ignore_eos else tokenizer.infill_end_ids if suffix is not None else tokenizer.eos_ids
     rules = LogitsRules(PenaltyState(penalties, prompt_ids, eos_ids | stop_ids) if penalties.active else None,
-                        request_structure(json_schema, regex, tokenizer, vocab, ignore_eos, min_tokens))
+                        request_structure(json_schema, regex, tokenizer, vocab, ignore_eos, min_tokens, grammar))
     if hasattr(proposer, "rules"):
         proposer.rules = rules  # a draft model proposes under the target's rules
     text = TextAssembler(tokenizer, stop, min_tokens)

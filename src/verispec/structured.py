@@ -1,4 +1,4 @@
-"""Structured output: text held to a JSON schema or a regular expression.
+"""Structured output: text held to a JSON schema, a regular expression or a grammar.
 
 llguidance compiles the structure into a matcher over the tokenizer's tokens; before each
 choice the matcher gives the ids that keep the text on course, and every other id's logit
@@ -58,6 +58,20 @@ class Structure:
         return cls._checked(LLMatcher.grammar_from_regex(pattern), "the regular expression")
 
     @classmethod
+    def lark(cls, grammar: str) -> "Structure":
+        """Text that a Lark grammar, in llguidance's dialect, derives from `start` (which may
+        embed JSON schemas as `%json {...}` and tokens as `<[id]>`)."""
+        from llguidance import LLMatcher
+
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise StructureError("a grammar is a non-empty string")
+        try:
+            compiled = LLMatcher.grammar_from_lark(grammar)
+        except ValueError as exc:
+            raise StructureError(f"the grammar could not be read: {exc}") from None
+        return cls._checked(compiled, "the grammar")
+
+    @classmethod
     def _checked(cls, grammar: str, description: str) -> "Structure":
         """The structure, once its grammar compiles (without a tokenizer, so that a bad one is
         refused before any model loads)."""
@@ -69,23 +83,30 @@ class Structure:
         return cls(grammar, description)
 
 
-def structure_of(json_schema: dict[str, Any] | bool | None, regex: str | None) -> Structure | None:
-    """The structure that stream()'s `json_schema` and `regex` ask for, if any (one at most)."""
-    if json_schema not in (None, False) and regex is not None:
-        raise StructureError("ask for a JSON schema or a regular expression, not both")
+def structure_of(json_schema: dict[str, Any] | bool | None, regex: str | None,
+                 grammar: str | None = None) -> Structure | None:
+    """The structure that stream()'s `json_schema`, `regex` and `grammar` ask for, if any (one at most)."""
+    asked = [name for name, value in (("a JSON schema", json_schema not in (None, False)),
+                                      ("a regular expression", regex is not None),
+                                      ("a grammar", grammar is not None)) if value]
+    if len(asked) > 1:
+        raise StructureError(f"ask for one structure at most, not {' and '.join(asked)}")
     if regex is not None:
         return Structure.regex(regex)
+    if grammar is not None:
+        return Structure.lark(grammar)
     if json_schema not in (None, False):
         return Structure.json(json_schema)
     return None
 
 
 def request_structure(json_schema: dict[str, Any] | bool | None, regex: str | None, tokenizer, vocab_size: int,
-                      ignore_eos: bool = False, min_tokens: int = 0) -> "StructureState | None":
+                      ignore_eos: bool = False, min_tokens: int = 0,
+                      grammar: str | None = None) -> "StructureState | None":
     """A request's structure compiled for the model's tokenizer, or None if it asks for none.
     A structured output ends where its structure does, so ignore_eos and min_tokens, which
     would hold the end off, are refused with it."""
-    structure = structure_of(json_schema, regex)
+    structure = structure_of(json_schema, regex, grammar)
     if structure is None:
         return None
     if ignore_eos or min_tokens:
@@ -94,14 +115,18 @@ def request_structure(json_schema: dict[str, Any] | bool | None, regex: str | No
 
 
 class _TokenTable:
-    """What llguidance reads of a tokenizer: each id's bytes, the special ids, encoding."""
+    """What llguidance reads of a tokenizer: each id's bytes, the special ids, encoding.
+
+    Special to llguidance are the ids that decoding leaves out of the text. An added token that
+    stays in it (Qwen2.5's <tool_call>) is text like any other: listed as special, its text
+    in a grammar was allowed by the mask as that one token, which the matcher then refused."""
 
     def __init__(self, tokenizer, vocab_size: int):
         self.encode = tokenizer.encode
         self.eos_token_id = min(tokenizer.eos_ids) if tokenizer.eos_ids else None
         self.bos_token_id = tokenizer.bos_id
         self.tokens = [tokenizer.token_bytes(i) for i in range(vocab_size)]
-        self.special_token_ids = sorted(i for i in tokenizer.special_ids if i < vocab_size)
+        self.special_token_ids = sorted(i for i in tokenizer.hidden_ids if i < vocab_size)
 
     def __call__(self, text: str) -> list[int]:
         return self.encode(text, add_special_tokens=False)

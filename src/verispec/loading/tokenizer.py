@@ -126,6 +126,12 @@ class Tokenizer:
         return set(self.backend.get_added_tokens_decoder())
 
     @cached_property
+    def hidden_ids(self) -> set[int]:
+        """The added ids that decoding leaves out of the text (the special ones, <|im_end|>
+        say); the others (Qwen2.5's <tool_call>) are part of it."""
+        return {i for i, token in self.backend.get_added_tokens_decoder().items() if token.special}
+
+    @cached_property
     def _byte_level(self) -> bool:
         decoder = self.backend.decoder
         return decoder is not None and '"ByteLevel"' in decoder.__getstate__().decode()
