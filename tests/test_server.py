@@ -46,11 +46,11 @@ def byte_tokenizer(extra_merge: tuple[str, str] | None = None, chat_template: st
     return Tokenizer(backend, {eos_id}, eos_token="<|im_end|>", chat_template=chat_template)
 
 
-def tiny_model(tokenizer: Tokenizer, seed: int = 0, name: str = "tiny") -> LoadedModel:
+def tiny_model(tokenizer: Tokenizer, seed: int = 0, name: str = "tiny", context: int = CONTEXT) -> LoadedModel:
     """A two-layer Qwen2-shaped model with large random weights (clear argmax winners, few near-ties)."""
     config = ModelConfig(model_type="qwen2", vocab_size=tokenizer.vocab_size, hidden_size=64,
                          intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=CONTEXT, attention_bias=True,
+                         max_position_embeddings=context, attention_bias=True,
                          eos_token_id=sorted(tokenizer.eos_ids))
     torch.manual_seed(seed)
     model = CausalLM(config)
@@ -704,7 +704,7 @@ def test_prompt_longer_than_the_context(client):
     ({"messages": [{"role": "wizard", "content": "hi"}]}, ["messages.0.role"]),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      ["only text content"]),
-    ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, ["tools", "not supported"]),
+    ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, ["does not offer tools"]),
     ({"messages": MESSAGES, "max_completion_tokens": -3}, ["max_completion_tokens"]),
     ({"messages": MESSAGES, "top_logprobs": 3}, ["top_logprobs needs logprobs: true"]),
     ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, ["top_logprobs", "less than or equal to 20"]),

@@ -137,7 +137,10 @@ class Tokenizer:
         return decoder is not None and '"ByteLevel"' in decoder.__getstate__().decode()
 
     # -- chat
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The conversation as the chat template writes it; `tools` (OpenAI's function
+        definitions) go to templates that describe them to the model."""
         if not self.chat_template:
             raise VerispecError("this model has no chat template; run without --chat")
         from jinja2.exceptions import TemplateError
@@ -153,13 +156,14 @@ class Tokenizer:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
             template = env.from_string(self.chat_template)
+            extra = {"tools": tools} if tools else {}
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
         except TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template failed on these messages: {exc}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
 
 
 def _byte_level_chars() -> dict[str, int]:

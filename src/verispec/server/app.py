@@ -7,7 +7,8 @@ decoding runs in a worker thread so that the event loop keeps answering /health 
 so a user's mistake is a 400 with OpenAI's error body, never a 500 or a half-sent stream.
 
 Any model name in a request is accepted: the server has one model, and the
-responses name it (the name `GET /v1/models` lists).
+responses name it (the name `GET /v1/models` lists). Tool calls are read out of a chat
+answer's text (`verispec.server.tools`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from verispec.sampling import SEED_MAX
 from verispec.server.metrics import ServerMetrics
 from verispec.server.responses import FINISH_REASONS, Echo, LogprobsShape, ResponseShape, error_body, sse
 from verispec.server.schemas import EXPECTED_SHAPES, ChatCompletionRequest, CompletionRequest, DecodingRequest
+from verispec.server.tools import CallHolder, calls_grammar, template_calls_tools
 from verispec.structured import request_structure
 
 log = logging.getLogger("verispec.server")
@@ -50,6 +52,7 @@ class Job:
     prompt: str | None = None  # what stream() reads in the ids' place: the text before a suffix's gap
     echo: Echo | None = None  # the prompt, to answer before the completion
     choices: int = 1  # completions of the prompt, decoded one after another
+    tool_names: set[str] | None = None  # the functions an answer may call, read out of its text
 
     @property
     def stream_prompt(self) -> str | list[int]:
@@ -132,9 +135,23 @@ class Engine:
         if not tokenizer.chat_template:
             raise VerispecError(f"{self.name} has no chat template; use /v1/completions with a plain prompt")
         max_tokens = request.max_completion_tokens or request.max_tokens or self.context_size
-        options = self._options(request, max_tokens)
-        prompt_ids = tokenizer.encode_chat([m.for_template() for m in request.messages])  # may raise ChatTemplateError
-        return Job(self._checked_prompt(prompt_ids), options, choices=request.n or 1)
+        tools = request.offered_tools
+        if tools and not template_calls_tools(tokenizer.chat_template):
+            raise VerispecError(f"{self.name}'s chat template does not offer tools in the <tool_call> form this "
+                                f"server reads; leave out tools")
+        options = self._options(request, max_tokens, self._calls_grammar(request))
+        messages = [m.for_template() for m in request.messages]
+        prompt_ids = tokenizer.encode_chat(messages, [t.for_template() for t in tools])  # may raise ChatTemplateError
+        names = {tool.function.name for tool in tools} if tools else None
+        return Job(self._checked_prompt(prompt_ids), options, choices=request.n or 1, tool_names=names)
+
+    def _calls_grammar(self, request: ChatCompletionRequest) -> str | None:
+        """The grammar that holds an answer to calls, where the request forces them."""
+        forced = request.forced_calls
+        if not forced:
+            return None
+        several = request.parallel_tool_calls is not False and request.tool_choice == "required"
+        return calls_grammar([t.function.model_dump(exclude_none=True) for t in forced], several)
 
     def _checked_ids(self, ids: list[int]) -> list[int]:
         vocab = self.target.config.vocab_size
@@ -153,7 +170,7 @@ class Engine:
                 f"{len(prompt_ids)} tokens; shorten the prompt")
         return prompt_ids
 
-    def _options(self, request: DecodingRequest, max_tokens: int) -> dict[str, Any]:
+    def _options(self, request: DecodingRequest, max_tokens: int, grammar: str | None = None) -> dict[str, Any]:
         """stream()'s options for the request, whatever its prompts, checked once."""
         self._checked_ids([*(request.logit_bias or ()), *(request.stop_token_ids or ())])
         if (request.min_tokens or 0) > max_tokens:
@@ -161,7 +178,7 @@ class Engine:
         json_schema = request.response_format.wanted_schema if request.response_format else None
         # compiled here too, so that a bad schema or regular expression is refused before queueing
         request_structure(json_schema, request.guided_regex, self.target.tokenizer, self.target.config.vocab_size,
-                          request.ignore_eos, request.min_tokens or 0)
+                          request.ignore_eos, request.min_tokens or 0, grammar)
         return dict(
             max_tokens=max_tokens,  # stream() trims it to what the context has room for
             temperature=1.0 if request.temperature is None else request.temperature,
@@ -183,6 +200,7 @@ class Engine:
             logit_bias=request.logit_bias,
             json_schema=json_schema,
             regex=request.guided_regex,
+            grammar=grammar,
         )
 
     # -- decoding
@@ -291,7 +309,7 @@ async def _answer(engine: Engine, jobs: list[Job], request: DecodingRequest, cha
     if request.alternatives is not None:  # one per choice: each keeps its own text offsets
         logprobs = [LogprobsShape(engine.target.tokenizer, chat) for _ in choices]
     shape = ResponseShape(engine.name, chat, engine.draft_name, logprobs, [job.echo for job in choices],
-                          per_prompt=jobs[0].choices)
+                          per_prompt=jobs[0].choices, tool_names=jobs[0].tool_names)
     if request.stream:
         return StreamingResponse(_sse_stream(engine, jobs, shape, request.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -308,16 +326,22 @@ def _opening(shape: ResponseShape, index: int) -> list[str]:
     return chunks
 
 
+def _call_holder(shape: ResponseShape) -> CallHolder | None:
+    """What holds back a chat choice's text from where a tool call may start, if it may make any."""
+    return CallHolder(shape.tool_names) if shape.chat and shape.tool_names is not None else None
+
+
 async def _sse_stream(engine: Engine, jobs: list[Job], shape: ResponseShape,
                       include_usage: bool) -> AsyncIterator[str]:
     for chunk in _opening(shape, 0):  # sent at once, before the model is free
         yield chunk
     opened, results = 0, []
     unsent: list[tuple[int, Logprob]] = []  # log-probabilities of tokens whose text is not sent yet
+    holder = _call_holder(shape)
     try:
         async for index, event in engine.events(jobs):
             if index != opened:
-                opened = index
+                opened, holder = index, _call_holder(shape)
                 for chunk in _opening(shape, index):
                     yield chunk
             if isinstance(event, Prompt):  # echo with log-probabilities: the prompt's come first
@@ -325,14 +349,22 @@ async def _sse_stream(engine: Engine, jobs: list[Job], shape: ResponseShape,
                                       index=index))
                 continue
             if isinstance(event, Finished):
-                yield sse(shape.final_chunk(event.result, event.tail, unsent, index=index))
+                tail, calls = holder.finish(event.tail) if holder is not None else (event.tail, [])
+                if calls:  # the text before them, then the calls, then the end
+                    if tail:
+                        yield sse(shape.chunk(tail, tokens=unsent, index=index))
+                        unsent = []
+                    yield sse(shape.calls_chunk(calls, index))
+                    tail = ""
+                yield sse(shape.final_chunk(event.result, tail, unsent, index=index, called=bool(calls)))
                 unsent = []
                 results.append(event.result)
                 continue
             if event.logprob is not None:
                 unsent.append((event.token_id, event.logprob))
-            if event.text:  # a token whose text is still incomplete sends nothing yet
-                yield sse(shape.chunk(event.text, tokens=unsent, index=index))
+            text = holder.feed(event.text) if holder is not None else event.text
+            if text:  # a token whose text is still incomplete (or may open a tool call) sends nothing yet
+                yield sse(shape.chunk(text, tokens=unsent, index=index))
                 unsent = []
         if include_usage:
             yield sse(shape.usage_chunk(results))

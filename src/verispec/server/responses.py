@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verispec.events import GenerationResult, Logprob, SpecStats
+from verispec.server.tools import ToolCall, parse_tool_calls
 
 # verispec's reasons -> OpenAI's: the end-of-text token and a stop string are both "stop"
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -130,6 +131,7 @@ class ResponseShape:
     logprobs: list[LogprobsShape] | None = None  # one per choice, when the request asks for log-probabilities
     echoes: list[Echo | None] | None = None  # per choice: its prompt, when a completion asks for it first
     per_prompt: int = 1  # choices of each prompt (n), which come one after another
+    tool_names: set[str] | None = None  # chat: the functions an answer may call, read out of its text
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -152,8 +154,14 @@ class ResponseShape:
 
     def _choice(self, index: int, result: GenerationResult) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index}
+        finish_reason = FINISH_REASONS[result.finish_reason]
         if self.chat:
             choice["message"] = {"role": "assistant", "content": result.text}
+            if self.tool_names is not None:
+                content, calls = parse_tool_calls(result.text, self.tool_names)
+                if calls:
+                    choice["message"].update(content=content, tool_calls=[call.body() for call in calls])
+                    finish_reason = "tool_calls"
         else:
             echo = self.echo(index)
             choice["text"] = (echo.text if echo else "") + result.text
@@ -164,7 +172,7 @@ class ResponseShape:
             if echo is not None and result.prompt_logprobs is not None:
                 ids, values = [*echo.ids, *ids], [*result.prompt_logprobs, *values]
             logprobs = self.logprobs[index].body(ids, values)
-        choice.update(logprobs=logprobs, finish_reason=FINISH_REASONS[result.finish_reason])
+        choice.update(logprobs=logprobs, finish_reason=finish_reason)
         return choice
 
     def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
@@ -185,10 +193,18 @@ class ResponseShape:
         choice.update(logprobs=logprobs, finish_reason=finish_reason)
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
+    def calls_chunk(self, calls: Sequence[ToolCall], index: int = 0) -> dict[str, Any]:
+        """A chat choice's tool calls, whole, in one streamed delta."""
+        body = self.chunk(None, index=index)
+        body["choices"][0]["delta"]["tool_calls"] = [call.body(i) for i, call in enumerate(calls)]
+        return body
+
     def final_chunk(self, result: GenerationResult, tail: str,
-                    tokens: Sequence[tuple[int, Logprob]] = (), index: int = 0) -> dict[str, Any]:
-        body = self.chunk(tail if tail or not self.chat else None, FINISH_REASONS[result.finish_reason],
-                          tokens=tokens, index=index)
+                    tokens: Sequence[tuple[int, Logprob]] = (), index: int = 0,
+                    called: bool = False) -> dict[str, Any]:
+        """The last piece of a choice; `called`: its answer made tool calls (sent before it)."""
+        finish_reason = "tool_calls" if called else FINISH_REASONS[result.finish_reason]
+        body = self.chunk(tail if tail or not self.chat else None, finish_reason, tokens=tokens, index=index)
         body["verispec"] = decoding_summary(result, self.draft)
         return body
 

@@ -2,12 +2,14 @@
 
 Unknown fields are ignored, as OpenAI's own clients send many. Fields that
 would change the answer in ways verispec does not implement (best_of, echo on
-chat, tools, ...) are refused with a clear message rather than silently
-dropped; their neutral values (null, 0, false, 1, the default) are accepted.
+chat, tools on /v1/completions, the legacy functions, ...) are refused with a
+clear message rather than silently dropped; their neutral values (null, 0,
+false, 1, the default) are accepted.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -25,7 +27,10 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "tools": (None, []),
     "functions": (None, []),
+    "function_call": (None, "none", "auto"),
 }
+
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # as OpenAI allows
 
 # what a field whose type is a union accepts, for error messages
 EXPECTED_SHAPES = {
@@ -176,16 +181,75 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments; None: none
+    strict: bool | None = None  # a call that the request forces always satisfies the schema
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def for_template(self) -> dict[str, Any]:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, arguments: str) -> str:
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            raise ValueError("a tool call's arguments must be a JSON object written as a string") from None
+        if not isinstance(value, dict):
+            raise ValueError("a tool call's arguments must be a JSON object written as a string")
+        return arguments
+
+
+class MessageToolCall(BaseModel):
+    """A call an earlier answer made, sent back in the conversation."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+    def for_template(self) -> dict[str, Any]:
+        # templates write the arguments with tojson, so they take the object, not its text
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": json.loads(self.function.arguments)}}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # the call a tool message answers
+    name: str | None = None
 
     def for_template(self) -> dict[str, Any]:
-        """The message as chat templates expect it: role and plain-text content."""
+        """The message as chat templates expect it: role, plain-text content, and an
+        assistant's calls or the call a tool's answer belongs to."""
         role = "system" if self.role == "developer" else self.role  # OpenAI's newer name for system
-        return {"role": role, "content": self.text()}
+        out: dict[str, Any] = {"role": role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -198,11 +262,53 @@ class ChatMessage(BaseModel):
         return "".join(part.text or "" for part in self.content)
 
 
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(DecodingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None  # functions the model may call (verispec.server.tools)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto"
+    parallel_tool_calls: bool | None = None  # None: true; false: a forced answer makes one call
+
+    @model_validator(mode="after")
+    def _tool_choice_among_tools(self) -> "ChatCompletionRequest":
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise ValueError(f"tools: two functions are named {next(n for n in names if names.count(n) > 1)!r}")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+        if choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools to call")
+        if self.forced_calls and (self.response_format and self.response_format.type != "text"
+                                  or self.guided_regex is not None):
+            raise ValueError("a tool_choice that forces calls holds the answer to them; leave out "
+                             "response_format and guided_regex")
+        return self
+
+    @property
+    def offered_tools(self) -> list[Tool]:
+        """The tools the prompt offers: none where tool_choice is "none"."""
+        return [] if self.tool_choice == "none" else list(self.tools or ())
+
+    @property
+    def forced_calls(self) -> list[Tool]:
+        """The tools among which the answer must call (one named, or any with "required");
+        empty where the model decides."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return [tool for tool in self.tools or () if tool.function.name == choice.function.name]
+        return list(self.tools or ()) if choice == "required" else []
 
     @model_validator(mode="after")
     def _text_only(self) -> "ChatCompletionRequest":
