@@ -364,15 +364,20 @@ def test_a_suffix_fills_in_the_middle(client):
     assert_error(client.post("/v1/completions", json=request), 400, "no fill-in-the-middle tokens")
 
 
+GRAMMAR = 'start: "x" ("a" | "b")+ "y"'
+
+
 def test_response_format_and_guided_regex_hold_the_output(client, spec_client, target):
-    """json_object / json_schema and vLLM's guided_regex answer as generate() does, plainly and
-    speculatively; a bad schema or regex, or one with ignore_eos, is a 400 before queueing."""
+    """json_object / json_schema and vLLM's guided_regex and guided_grammar answer as generate()
+    does, plainly and speculatively; a bad schema, regex or grammar, or one with ignore_eos, is a
+    400 before queueing."""
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
     cases = [({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},
               {"json_schema": schema}),
              ({"response_format": {"type": "json_object"}}, {"json_schema": True}),
              ({"guided_regex": "[ab]{3}c"}, {"regex": "[ab]{3}c"}),
+             ({"guided_grammar": GRAMMAR}, {"grammar": GRAMMAR}),
              ({"response_format": {"type": "text"}}, {})]
     for fields, options in cases:
         expected = generate(target, MESSAGES, max_tokens=24, **options).text
@@ -383,6 +388,10 @@ def test_response_format_and_guided_regex_hold_the_output(client, spec_client, t
     assert expected != generate(target, MESSAGES, max_tokens=24, regex="[ab]{3}c").text
     request = {"prompt": PROMPT, "max_tokens": 8}
     assert_error(client.post("/v1/completions", json={**request, "guided_regex": "[ab"}), 400, "could not be compiled")
+    assert_error(client.post("/v1/completions", json={**request, "guided_grammar": "start: ("}), 400,
+                 "the grammar could not be compiled")
+    assert_error(client.post("/v1/completions", json={**request, "guided_grammar": GRAMMAR, "guided_regex": "a"}),
+                 400, "not a regular expression and a grammar")
     bad_schema = {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}
     assert_error(client.post("/v1/completions", json={**request, "response_format": bad_schema}), 400, "nonsense")
     assert_error(client.post("/v1/completions", json={**request, "response_format": {"type": "xml"}}), 400,

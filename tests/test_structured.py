@@ -221,3 +221,9 @@ def test_the_command_line_holds_the_output_to_a_structure(target, tmp_path, caps
     assert "expected a JSON schema" in capsys.readouterr().err
     assert main([*args[:-1], "--regex", "[ab", PROMPT]) == 1
     assert "could not be compiled" in capsys.readouterr().err
+    grammar_file = tmp_path / "answer.lark"
+    grammar_file.write_text(GRAMMAR)
+    for grammar in (GRAMMAR, str(grammar_file)):
+        assert main([*args[:-1], "--grammar", grammar, PROMPT]) == 0
+        assert json.loads(capsys.readouterr().out)["text"] == generate(target, PROMPT, max_tokens=24,
+                                                                       grammar=GRAMMAR).text

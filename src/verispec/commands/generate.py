@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import sys
 
-from verispec.commands.options import (add_draft_vocab_option, add_model_options, finite_float, id_and_amount,
-                                       json_schema, load_target_and_draft, non_negative_float, non_negative_int,
-                                       probability)
+from verispec.commands.options import (add_draft_vocab_option, add_model_options, finite_float, grammar,
+                                       id_and_amount, json_schema, load_target_and_draft, non_negative_float,
+                                       non_negative_int, probability)
 from verispec.events import MAX_TOP_LOGPROBS
 
 # how --show colours each token by origin (the seed's figure: kept drafts purple)
@@ -49,6 +49,9 @@ def register(sub) -> None:
                         help="hold the output to a JSON schema (its JSON, or a file); '{\"type\": \"object\"}' "
                              "for any JSON object")
     parser.add_argument("--regex", default=None, metavar="PATTERN", help="hold the output to a regular expression")
+    parser.add_argument("--grammar", type=grammar, default=None, metavar="GRAMMAR",
+                        help="hold the output to a Lark grammar in llguidance's dialect (its text, or a file), "
+                             "which may embed JSON schemas as %%json {...}")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     parser.add_argument("--logprobs", type=non_negative_int, default=None, metavar="N",
                         help="with --json: each token's log-probability under the target and its N most "
@@ -84,7 +87,8 @@ def run(args) -> int:
                     presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                     repetition_penalty=args.repetition_penalty, logit_bias=args.logit_bias,
                     stop_token_ids=args.stop_token_id, min_tokens=args.min_tokens,
-                    suffix=args.suffix, json_schema=args.json_schema, regex=args.regex)
+                    suffix=args.suffix, json_schema=args.json_schema, regex=args.regex,
+                    grammar=args.grammar)
     console = Console(highlight=False)
     result = None
     for event in events:

@@ -61,6 +61,17 @@ def json_schema(text: str) -> dict:
     return schema
 
 
+def grammar(text: str) -> str:
+    """A Lark grammar, as --grammar takes it: the grammar itself, or a file that holds it."""
+    from pathlib import Path
+
+    path = Path(text).expanduser()
+    try:
+        return path.read_text(encoding="utf-8") if path.is_file() else text
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"could not read the grammar file ({exc})") from None
+
+
 def non_negative_float(text: str) -> float:
     value = finite_float(text)
     if value < 0:

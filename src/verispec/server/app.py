@@ -170,13 +170,15 @@ class Engine:
                 f"{len(prompt_ids)} tokens; shorten the prompt")
         return prompt_ids
 
-    def _options(self, request: DecodingRequest, max_tokens: int, grammar: str | None = None) -> dict[str, Any]:
-        """stream()'s options for the request, whatever its prompts, checked once."""
+    def _options(self, request: DecodingRequest, max_tokens: int, calls: str | None = None) -> dict[str, Any]:
+        """stream()'s options for the request, whatever its prompts, checked once; `calls`: the
+        grammar of the tool calls it forces."""
+        grammar = calls or request.guided_grammar
         self._checked_ids([*(request.logit_bias or ()), *(request.stop_token_ids or ())])
         if (request.min_tokens or 0) > max_tokens:
             raise VerispecError(f"min_tokens ({request.min_tokens}) is more than max_tokens ({max_tokens})")
         json_schema = request.response_format.wanted_schema if request.response_format else None
-        # compiled here too, so that a bad schema or regular expression is refused before queueing
+        # compiled here too, so that a bad structure is refused before queueing
         request_structure(json_schema, request.guided_regex, self.target.tokenizer, self.target.config.vocab_size,
                           request.ignore_eos, request.min_tokens or 0, grammar)
         return dict(

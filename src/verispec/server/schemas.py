@@ -93,6 +93,7 @@ class DecodingRequest(BaseModel):
     logit_bias: dict[int, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = None
     response_format: ResponseFormat | None = None  # the output held to JSON (verispec.structured)
     guided_regex: str | None = None  # vLLM's extension: the output held to a regular expression
+    guided_grammar: str | None = None  # vLLM's extension: held to a Lark grammar (llguidance's dialect)
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> "DecodingRequest":
@@ -291,9 +292,9 @@ class ChatCompletionRequest(DecodingRequest):
         if choice == "required" and not names:
             raise ValueError("tool_choice 'required' needs tools to call")
         if self.forced_calls and (self.response_format and self.response_format.type != "text"
-                                  or self.guided_regex is not None):
+                                  or self.guided_regex is not None or self.guided_grammar is not None):
             raise ValueError("a tool_choice that forces calls holds the answer to them; leave out "
-                             "response_format and guided_regex")
+                             "response_format, guided_regex and guided_grammar")
         return self
 
     @property
