@@ -588,6 +588,10 @@ def test_metrics_counters_move(target):
     assert metric(app_client, "verispec:request_success_total", finished_reason="length") == 2
     assert metric(app_client, "verispec:generation_tokens_total") == 20
     assert metric(app_client, "verispec:num_requests_running") == 0
+    # each choice reads its prompt, where the usage counts the prompt once
+    read = metric(app_client, "verispec:prompt_tokens_total")
+    body = app_client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "n": 2}).json()
+    assert metric(app_client, "verispec:prompt_tokens_total") - read == 2 * body["usage"]["prompt_tokens"]
 
 
 def test_baseline_serving_leaves_the_speculative_counters_alone(client):
