@@ -4,13 +4,15 @@
     python benchmarks/draft_vocab.py --limits 32768 --gamma 4 --prompts 2
     python benchmarks/draft_vocab.py --limits 32768 --adaptive --categories qa translation coding
     python benchmarks/draft_vocab.py --with-context-only --limits 32768 --categories all
+    python benchmarks/draft_vocab.py --with-context-only --limits 32768 --without-markdown --categories coding
 
 The 0.5B draft's output layer (151,936 rows) is 28% of its weights. Limited to the first K
 ids, which a byte-level BPE gives to its most frequent tokens, it reads fewer bytes per
 draft step; where the target picks a token above K the draft cannot have proposed it, so
 acceptance falls. Most such tokens are words of the prompt or of the answer so far, which
-`--draft-vocab` lets the draft propose too ("and context"); "first K only" is the limit
-alone. For each prompt this runs plain decoding, speculative decoding with the whole
+`--draft-vocab` lets the draft propose too ("and context", with Markdown's marks, which an
+answer uses before its context has them; --without-markdown adds the way without them);
+"first K only" is the limit alone. For each prompt this runs plain decoding, speculative decoding with the whole
 vocabulary and each limit both ways, and plain decoding again, one after the other, so a
 change in machine load hits them alike. Speed-up = plain decoding time / speculative
 decoding time; c = draft seconds per drafted token / target seconds per plain step.
@@ -45,18 +47,20 @@ def p_values_text(p_values: dict[str, float]) -> str:
     return ", ".join(f"{name} p = {p:.2g}" for name, p in p_values.items())
 
 
-def ways_of(limits: list[int], alone: bool = True) -> dict[str, tuple[int | None, bool]]:
-    """Each way's name, and its (vocabulary limit, whether the context's ids are proposed too);
-    without `alone`, only the limits with the context's ids."""
-    ways = {"whole": (None, False)}
+def ways_of(limits: list[int], alone: bool = True, without_markdown: bool = False) -> dict[str, tuple]:
+    """Each way's name, and its (vocabulary limit, whether the context's ids are proposed too,
+    whether Markdown's marks are); without `alone`, only the limits with the context's ids."""
+    ways = {"whole": (None, False, False)}
     for limit in limits:
         if alone:
-            ways[f"{limit} only"] = (limit, False)
-        ways[f"{limit} and context"] = (limit, True)
+            ways[f"{limit} only"] = (limit, False, False)
+        if without_markdown:
+            ways[f"{limit} and context, no marks"] = (limit, True, False)
+        ways[f"{limit} and context"] = (limit, True, True)
     return ways
 
 
-def compare(target, draft, prompts, ways: dict[str, tuple[int | None, bool]], gamma: int, tokens: int,
+def compare(target, draft, prompts, ways: dict[str, tuple], gamma: int, tokens: int,
             adaptive: bool = False, temperature: float = 0.0, seed: int = 0) -> dict:
     """Per way (ways_of): plain and speculative seconds and tokens, drafts kept, draft seconds,
     validity; sampled, also the p-values of each way's runs and of the plain runs."""
@@ -68,8 +72,9 @@ def compare(target, draft, prompts, ways: dict[str, tuple[int | None, bool]], ga
         sampling = {"temperature": temperature, "seed": seed + index}
         before = run(target, prompt.text, tokens, **sampling)
         specs = {way: run(target, prompt.text, tokens, gamma=gamma, adaptive="cost" if adaptive else False,
-                          draft=DraftModelProposer(draft, vocab_limit=limit, context_ids=context), **sampling)
-                 for way, (limit, context) in ways.items()}
+                          draft=DraftModelProposer(draft, vocab_limit=limit, context_ids=context, markdown=marks),
+                          **sampling)
+                 for way, (limit, context, marks) in ways.items()}
         after = run(target, prompt.text, tokens, **sampling)
         plain_s = (before.timings.decode_s + after.timings.decode_s) / 2
         if temperature > 0:  # after the timed runs: the audit's passes cost as much as a prefill each
@@ -107,6 +112,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="the first prompt's seed when sampling")
     parser.add_argument("--with-context-only", action="store_true",
                         help="compare the whole vocabulary with each limit and the context's ids only")
+    parser.add_argument("--without-markdown", action="store_true",
+                        help="also each limit and the context's ids without Markdown's marks")
     args = parser.parse_args()
 
     from verispec.lab.prompts import load_prompts
@@ -117,7 +124,7 @@ def main() -> int:
     target, draft, record = load_pair(args, "draft vocabulary", details)
     record.update(gamma=args.gamma, tokens=args.tokens, adaptive=args.adaptive, temperature=args.temperature,
                   seed=args.seed, categories={})
-    ways = ways_of(args.limits, alone=not args.with_context_only)
+    ways = ways_of(args.limits, alone=not args.with_context_only, without_markdown=args.without_markdown)
     if args.categories == ["all"]:
         args.categories = spec_bench_categories()
     all_valid, ratios = True, {}
@@ -131,11 +138,12 @@ def main() -> int:
             all_valid &= r["valid"]
             ratios.setdefault(way, {})[category] = round(r["speedup"] / whole["speedup"], 4)
             gain = "" if way == "whole" else f"  ({r['speedup'] / whole['speedup']:.3f}x the whole vocabulary's)"
-            limit, context = ways[way]
-            label = "whole vocabulary" if limit is None else f"first {limit:,} {'and context' if context else 'only'}"
+            limit, context, marks = ways[way]
+            label = ("whole vocabulary" if limit is None else
+                     f"first {limit:,} {'and context' if context else 'only'}{'' if marks or not context else ', no marks'}")
             audit = (f" ({p_values_text(r['p_values'])}; plain runs {p_values_text(r['plain_p_values'])})"
                      if "p_values" in r else "")
-            print(f"  {category:>15} {label:>24}: speed-up {r['speedup']:.2f}x, acceptance {r['acceptance']:.1%}, "
+            print(f"  {category:>15} {label:>34}: speed-up {r['speedup']:.2f}x, acceptance {r['acceptance']:.1%}, "
                   f"c = {r['c']:.3f}, {'VALID' if r['valid'] else 'INVALID'}{audit}{gain}")
     history = {"gamma": args.gamma, "adaptive": args.adaptive, "temperature": args.temperature,
                "prompts": args.prompts, "all_valid": all_valid,

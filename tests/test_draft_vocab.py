@@ -10,7 +10,7 @@ import tiny
 from verispec import kernels
 from verispec.errors import VerispecError
 from verispec.generate import encode_prompt, generate
-from verispec.spec.draft_model import DraftModelProposer
+from verispec.spec.draft_model import DraftModelProposer, markdown_ids
 from verispec.quant import FORMATS
 
 PROMPT = "def add(a, b):"
@@ -80,9 +80,36 @@ def test_speculation_with_a_limited_draft_is_the_targets_output(folder, fmt):
     assert limited.token_ids == first_only.token_ids == plain.token_ids == whole.token_ids
     assert drafted_tokens(first_only) and max(t for t, _ in drafted_tokens(first_only)) < limit
     above = [(t, before) for t, before in drafted_tokens(limited) if t >= limit]
-    prompt_ids = set(encode_prompt(target.tokenizer, PROMPT, False))
-    assert above and all(t in prompt_ids or t in before for t, before in above)  # ids of the context only
+    known = set(encode_prompt(target.tokenizer, PROMPT, False)) | set(markdown_ids(target.tokenizer))
+    assert above and all(t in known or t in before for t, before in above)  # the context's ids, or Markdown's
     assert first_only.spec.acceptance_rate < limited.spec.acceptance_rate < whole.spec.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("fmt", ["int4", "float32"])
+def test_a_limited_draft_proposes_markdowns_marks_before_the_context_has_them(folder, fmt):
+    """Markdown's marks above the limit are the draft's from the start of every request, their
+    logits those of the whole output layer; without `markdown` only the context's ids are."""
+    target = _load(folder, fmt)
+    marks = markdown_ids(target.tokenizer)
+    assert set(target.tokenizer.encode("```", add_special_tokens=False)) <= set(marks)
+    prompt = encode_prompt(target.tokenizer, PROMPT, False)
+    limit = sorted(marks)[len(marks) // 2]
+    outside = [t for t in marks if t >= limit and t not in prompt]
+    assert outside
+    without = DraftModelProposer(target, vocab_limit=limit, markdown=False)
+    without.start(prompt, 64)
+    assert without.extra_ids == []
+    proposer = DraftModelProposer(target, vocab_limit=limit)
+    for _ in range(2):  # every request starts with them
+        proposer.start(prompt, 64)
+        assert proposer.extra_ids == [t for t in marks if t >= limit]
+    with torch.inference_mode():
+        proposer.cache.rollback(len(prompt) - 1)
+        logits = proposer._logits(torch.tensor([prompt[-1:]]))
+        whole = target.model(torch.tensor([prompt]), target.model.new_cache(64))[0, -1]
+    assert torch.equal(logits[:limit], whole[:limit])
+    tolerance = 1e-4 if fmt == "float32" else 0.05 * float(whole.abs().max())
+    assert torch.allclose(logits[[proposer.extra_columns[t] for t in outside]], whole[outside], atol=tolerance)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -111,8 +138,8 @@ def test_a_tied_draft_proposes_the_contexts_ids_above_its_limit(tied_folder, fmt
     limited = generate(target, PROMPT, draft=target, gamma=4, max_tokens=32, ignore_eos=True, draft_vocab=limit)
     assert limited.token_ids == plain.token_ids
     above = [(t, before) for t, before in drafted_tokens(limited) if t >= limit]
-    prompt_ids = set(encode_prompt(target.tokenizer, PROMPT, False))
-    assert above and all(t in prompt_ids or t in before for t, before in above)
+    known = set(encode_prompt(target.tokenizer, PROMPT, False)) | set(markdown_ids(target.tokenizer))
+    assert above and all(t in known or t in before for t, before in above)
 
 
 @pytest.mark.parametrize("fmt", ["float32", "int8"])
@@ -144,8 +171,8 @@ def test_sampling_with_a_limited_draft_decodes(folder):
     result = generate(target, PROMPT, draft=target, gamma=3, max_tokens=24, ignore_eos=True, temperature=0.8,
                       seed=1, draft_vocab=128)
     assert len(result.token_ids) == 24
-    prompt_ids = set(encode_prompt(target.tokenizer, PROMPT, False))
-    assert all(t < 128 or t in prompt_ids or t in before for t, before in drafted_tokens(result))
+    known = set(encode_prompt(target.tokenizer, PROMPT, False)) | set(markdown_ids(target.tokenizer))
+    assert all(t < 128 or t in known or t in before for t, before in drafted_tokens(result))
 
 
 def test_auto_limits_only_a_vocabulary_more_than_twice_its_number():
@@ -160,12 +187,12 @@ def test_auto_limits_only_a_vocabulary_more_than_twice_its_number():
 
 def test_a_large_vocabulary_is_limited_by_default_and_none_keeps_it_whole(folder, monkeypatch):
     """generate's default ("auto") limits a draft whose vocabulary is more than twice the
-    number (here 64 of 262 ids): above it the draft proposes only the context's ids; with
-    draft_vocab=None it proposes any. The output is the target's every way."""
+    number (here 64 of 262 ids): above it the draft proposes only the context's ids and
+    Markdown's; with draft_vocab=None it proposes any. The output is the target's every way."""
     monkeypatch.setattr("verispec.spec.draft_model.AUTO_DRAFT_VOCAB", 64)
     target = _load(folder, "float32")
     plain = generate(target, PROMPT, max_tokens=32, ignore_eos=True)
-    prompt_ids = set(encode_prompt(target.tokenizer, PROMPT, False))
+    prompt_ids = set(encode_prompt(target.tokenizer, PROMPT, False)) | set(markdown_ids(target.tokenizer))
     by_default = generate(target, PROMPT, draft=target, gamma=4, max_tokens=32, ignore_eos=True)
     whole = generate(target, PROMPT, draft=target, gamma=4, max_tokens=32, ignore_eos=True, draft_vocab=None)
     assert by_default.token_ids == whole.token_ids == plain.token_ids
@@ -233,8 +260,8 @@ def test_the_command_line_takes_a_draft_vocabulary(folder, capsys):
 
 
 def test_the_contexts_ids_stop_at_their_cap(folder, monkeypatch):
-    """A long context adds at most MAX_CONTEXT_IDS ids above the limit (each one's row is read
-    once), and speculation stays exact past the cap."""
+    """A long context adds at most MAX_CONTEXT_IDS ids above the limit, Markdown's counted (each
+    one's row is read once), and speculation stays exact past the cap."""
     import verispec.spec.draft_model as draft_model
 
     monkeypatch.setattr(draft_model, "MAX_CONTEXT_IDS", 5)
@@ -244,4 +271,6 @@ def test_the_contexts_ids_stop_at_their_cap(folder, monkeypatch):
     plain = generate(target, prompt, max_tokens=16, ignore_eos=True)
     result = generate(target, prompt, draft=proposer, gamma=3, max_tokens=16, ignore_eos=True)
     assert result.token_ids == plain.token_ids
-    assert proposer.extra_ids == prompt[:5] and proposer.extra_rows.shape == (5, target.config.hidden_size)
+    marks = [t for t in markdown_ids(target.tokenizer) if t >= 64]  # proposed from the start, before the context's
+    assert proposer.extra_ids == list(dict.fromkeys(marks + prompt))[:5]
+    assert proposer.extra_rows.shape == (5, target.config.hidden_size)

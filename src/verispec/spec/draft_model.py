@@ -9,6 +9,17 @@ from verispec.spec.proposer import DraftProbs, Proposal
 
 MAX_CONTEXT_IDS = 4096  # context ids a draft limited to the first ids may propose too, at most
 AUTO_DRAFT_VOCAB = 32768  # the first ids "auto" keeps, for a vocabulary of more than twice as many
+# Markdown as chat models write it: its marks (a code fence above all) are rare in the text a
+# BPE is trained on, so it numbers them late (Qwen2.5's ``` is 73594), while answers use them
+MARKDOWN_SAMPLE = ("Here is the code:\n\n```python\ndef f(x):\n    return x\n```\n\n"
+                   "1. Run it:\n   ```bash\n   python f.py\n   ```\n2. **Note:** `f` returns *x*.\n"
+                   "```json\n{}\n```\n```javascript\n```\n```cpp\n```\n```java\n```\n```sql\n```\n"
+                   "### Example\n- item\n> quote\n\n| a | b |\n|---|---|\n| 1 | 2 |\n")
+
+
+def markdown_ids(tokenizer) -> list[int]:
+    """The ids of Markdown's marks in `tokenizer`'s vocabulary, as MARKDOWN_SAMPLE spells them."""
+    return list(dict.fromkeys(tokenizer.encode(MARKDOWN_SAMPLE, add_special_tokens=False)))
 
 
 def draft_vocab_limit(choice: int | str | None, vocab_size: int) -> int | None:
@@ -67,12 +78,15 @@ class DraftModelProposer:
     target's tokens above the limit are words of the prompt or of the answer so far, so
     with `context_ids` the draft may propose every id of the context too: the output
     layer's rows of those ids (at most MAX_CONTEXT_IDS of them) are gathered once and
-    multiplied apart, a few hundred rows where the limit saves a hundred thousand.
+    multiplied apart, a few hundred rows where the limit saves a hundred thousand. So may it
+    propose Markdown's marks (`markdown`), which a chat answer uses before its context has
+    them: the first code fence of an answer, say.
     Verification stays exact whatever the draft proposes (under sampling, the draft's
     distribution is zero on the ids it cannot propose).
     """
 
-    def __init__(self, loaded, name: str | None = None, vocab_limit: int | None = None, context_ids: bool = True):
+    def __init__(self, loaded, name: str | None = None, vocab_limit: int | None = None, context_ids: bool = True,
+                 markdown: bool = True):
         self.loaded = loaded
         # never draft a padding row the target has no embedding for
         self.vocab_limit = min(vocab_limit or loaded.config.vocab_size, loaded.config.vocab_size)
@@ -90,6 +104,8 @@ class DraftModelProposer:
         self.extra_columns: dict[int, int] = {}  # each of extra_ids -> its column in the logits
         self.extra_rows: torch.Tensor | None = None
         self.scanned = 0
+        # ids every request may propose above the limit, before its context holds them
+        self.standing_ids = markdown_ids(loaded.tokenizer) if self.context_ids and markdown else []
         self.name = name or loaded.name
         self.cache = None
         self.offset = 0  # context tokens before the draft's cache starts, never read
@@ -113,6 +129,7 @@ class DraftModelProposer:
         self.cache = self.model.new_cache(max_len)
         self.offset, self.ready = 0, None
         self.extra_ids, self.extra_columns, self.extra_rows, self.scanned = [], {}, None, 0
+        self._add_ids(self.standing_ids)
         if prefill and self._readable(prompt_ids):
             self.model(torch.tensor([prompt_ids], device=self.device), self.cache, last_only=True, **self.outputs)
 
@@ -200,9 +217,12 @@ class DraftModelProposer:
         """Add the ids of the context not scanned yet that lie at or above the limit."""
         if not self.context_ids or self.scanned >= len(context):
             return
-        new = [t for t in dict.fromkeys(context[self.scanned:])
-               if self.vocab_limit <= t < self.rows and t not in self.extra_columns]
+        self._add_ids(context[self.scanned:])
         self.scanned = len(context)
+
+    def _add_ids(self, ids: list[int]) -> None:
+        """Let the draft propose these ids too, where they lie at or above the limit."""
+        new = [t for t in dict.fromkeys(ids) if self.vocab_limit <= t < self.rows and t not in self.extra_columns]
         new = new[:MAX_CONTEXT_IDS - len(self.extra_ids)]
         if new:
             rows = self.model.output_rows(torch.tensor(new, device=self.device))
