@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from test_server import MESSAGES, assert_error, byte_tokenizer, sse_payloads, tiny_model
+from test_server import client, spec_client  # noqa: F401  (fixtures over this module's target)
 from verispec.generate import generate
 from verispec.server import create_app
 from verispec.server.tools import CallHolder, calls_grammar, parse_tool_calls
@@ -45,16 +46,6 @@ def tools_tokenizer(template: str = TOOLS_TEMPLATE):
 @pytest.fixture(scope="module")
 def target():
     return tiny_model(tools_tokenizer(), context=CONTEXT)
-
-
-@pytest.fixture(scope="module")
-def client(target) -> TestClient:
-    return TestClient(create_app(target))
-
-
-@pytest.fixture(scope="module")
-def spec_client(target) -> TestClient:
-    return TestClient(create_app(target, draft=target, gamma=3))
 
 
 def ask(server: TestClient, **fields):
