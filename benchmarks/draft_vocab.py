@@ -139,8 +139,9 @@ def main() -> int:
             ratios.setdefault(way, {})[category] = round(r["speedup"] / whole["speedup"], 4)
             gain = "" if way == "whole" else f"  ({r['speedup'] / whole['speedup']:.3f}x the whole vocabulary's)"
             limit, context, marks = ways[way]
+            without = "" if marks or not context else ", no marks"
             label = ("whole vocabulary" if limit is None else
-                     f"first {limit:,} {'and context' if context else 'only'}{'' if marks or not context else ', no marks'}")
+                     f"first {limit:,} {'and context' if context else 'only'}{without}")
             audit = (f" ({p_values_text(r['p_values'])}; plain runs {p_values_text(r['plain_p_values'])})"
                      if "p_values" in r else "")
             print(f"  {category:>15} {label:>34}: speed-up {r['speedup']:.2f}x, acceptance {r['acceptance']:.1%}, "

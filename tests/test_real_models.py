@@ -179,9 +179,9 @@ def test_the_coder_answers_in_the_schema_and_speculation_keeps_it(real_pair):
 
 
 def test_the_coder_calls_a_tool_through_the_server_and_speculation_keeps_it(real_pair):
-    """Asked to call (tool_choice "required": the 1.5B alone answers in a JSON code block
-    instead of Qwen2.5's tags), it fills the arguments in from the question; the server reads
-    the call out of its answer, plainly and with the 0.5B draft alike."""
+    """Offered a tool, the 1.5B calls it with the city from the question: left to choose, it
+    answers with the call alone in a ```json block (not in Qwen2.5's tags); asked to call, it is
+    held to the tags. The server reads the call either way, plainly and with the 0.5B draft."""
     from fastapi.testclient import TestClient
 
     from verispec.server import create_app
@@ -190,15 +190,16 @@ def test_the_coder_calls_a_tool_through_the_server_and_speculation_keeps_it(real
     weather = {"type": "function", "function": {
         "name": "get_weather", "description": "The current weather in a city",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-    request = {"messages": [{"role": "user", "content": "What is the weather in Paris right now?"}],
-               "tools": [weather], "tool_choice": "required", "max_tokens": 48, "temperature": 0}
-    answers = [TestClient(create_app(target, **options)).post("/v1/chat/completions", json=request).json()
-               for options in ({}, {"draft": draft, "gamma": 4})]
-    for body in answers:
-        [choice] = body["choices"]
-        [call] = choice["message"]["tool_calls"]
-        assert choice["finish_reason"] == "tool_calls" and call["function"]["name"] == "get_weather"
-        assert "paris" in json.loads(call["function"]["arguments"])["city"].lower()
-    assert [c["function"] for c in answers[0]["choices"][0]["message"]["tool_calls"]] == [
-        c["function"] for c in answers[1]["choices"][0]["message"]["tool_calls"]]
-    assert answers[1]["verispec"]["acceptance_rate"] > 0.5
+    servers = [TestClient(create_app(target, **options)) for options in ({}, {"draft": draft, "gamma": 4})]
+    for tool_choice in ("auto", "required"):
+        request = {"messages": [{"role": "user", "content": "What is the weather in Paris right now?"}],
+                   "tools": [weather], "tool_choice": tool_choice, "max_tokens": 48, "temperature": 0}
+        answers = [server.post("/v1/chat/completions", json=request).json() for server in servers]
+        for body in answers:
+            [choice] = body["choices"]
+            [call] = choice["message"]["tool_calls"]
+            assert choice["finish_reason"] == "tool_calls" and call["function"]["name"] == "get_weather"
+            assert "paris" in json.loads(call["function"]["arguments"])["city"].lower()
+        assert [c["function"] for c in answers[0]["choices"][0]["message"]["tool_calls"]] == [
+            c["function"] for c in answers[1]["choices"][0]["message"]["tool_calls"]]
+        assert answers[1]["verispec"]["acceptance_rate"] > 0.5

@@ -85,6 +85,34 @@ def test_what_is_not_a_call_stays_the_answers_text(text):
     assert parse_tool_calls(text, NAMES) == (text, [])
 
 
+@pytest.mark.parametrize("text,called", [
+    ('```json\n{\n  "name": "f",\n  "arguments": {"x": 2}\n}\n```', True),  # as Qwen2.5-Coder 1.5B answers
+    (' {"name": "f", "arguments": {"x": 2}}\n', True),
+    ('```python\n{"name": "f", "arguments": {"x": 2}}\n```', False),  # code, not a call
+    ('Call it: {"name": "f", "arguments": {"x": 2}}', False),  # not the whole answer
+    ('```json\n{"name": "h", "arguments": {"x": 2}}\n```', False),  # not one of the tools
+])
+def test_an_answer_that_is_one_call_without_the_tags_is_that_call(text, called):
+    content, calls = parse_tool_calls(text, NAMES)
+    assert ([(c.name, json.loads(c.arguments)) for c in calls], content) == (
+        ([("f", {"x": 2})], None) if called else ([], text))
+    assert parse_tool_calls(text, NAMES, bare=False) == (text, [])
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]  # streamed, the same
+    holder = CallHolder(NAMES)
+    sent = "".join(holder.feed(piece) for piece in pieces)
+    rest, streamed = holder.finish("")
+    assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
+    assert sent + rest == (content or "")
+
+
+def test_a_streamed_answer_waits_only_while_it_may_be_a_bare_call():
+    holder = CallHolder(NAMES)
+    assert [holder.feed(p) for p in ("\n", "``", "`py", "thon\nx = 1\n")] == ["", "", "\n```py", "thon\nx = 1"]
+    holder = CallHolder(NAMES)
+    assert [holder.feed(p) for p in ("Sure", ' {"name": "f"')] == ["Sure", ' {"name": "f"']
+    assert holder.finish(', "arguments": {}}') == (', "arguments": {}}', [])  # text came first: no bare call
+
+
 def test_only_calls_is_no_content():
     content, calls = parse_tool_calls('<tool_call>\n{"name": "go", "arguments": {}}\n</tool_call>\n', NAMES)
     assert content is None and [c.name for c in calls] == ["go"]
@@ -203,6 +231,17 @@ def test_auto_reads_the_calls_the_model_makes(client, spec_client):
                                                           "guided_regex": CALLING}).json()
         assert "tool_calls" not in plain["choices"][0]["message"]
         assert plain["choices"][0]["message"]["content"].endswith("</tool_call>")
+
+
+def test_auto_reads_an_answer_that_is_one_call_without_the_tags(client, spec_client):
+    fenced = r'```json\n\{"name": "f", "arguments": \{"x": 5\}\}\n```'
+    for server in (client, spec_client):
+        body = ask(server, guided_regex=fenced).json()
+        assert calls_of(body) == [("f", {"x": 5})] and body["choices"][0]["message"]["content"] is None
+        chunks = sse_payloads(ask(server, guided_regex=fenced, stream=True))[:-1]
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        assert not any(d.get("content") for d in deltas)
+        assert [json.loads(c["function"]["arguments"]) for d in deltas for c in d.get("tool_calls", [])] == [{"x": 5}]
 
 
 def test_streamed_calls_come_whole_after_the_text_before_them(spec_client):

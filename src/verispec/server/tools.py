@@ -6,8 +6,10 @@ The request's tools go into the chat template, which describes them to the model
 `tool_choice` "auto" the model decides, and the calls are read out of its answer; "required"
 or a named function holds the answer to calls (a grammar for `verispec.structured`), so that
 it makes one and its arguments satisfy the function's parameter schema; "none" leaves the
-tools out of the prompt. Speculative decoding is unchanged by any of it: the answer is the
-text plain decoding would give, read afterwards.
+tools out of the prompt. Small models often answer with the call alone, as JSON, without the
+tags (Qwen2.5-Coder 1.5B puts it in a ```json block): an answer that is nothing but one call
+of a tool, fenced so or bare, is read as that call too. Speculative decoding is unchanged by
+any of it: the answer is the text plain decoding would give, read afterwards.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
+FENCE = "```json"
+# a whole answer that is one JSON object, bare or in a ```json block
+BARE_CALL = re.compile(r"\s*(?:" + FENCE + r"[ \t]*\n)?\s*(\{.*\})\s*(?:```)?\s*", re.DOTALL)
 
 
 def template_calls_tools(chat_template: str | None) -> bool:
@@ -46,14 +51,17 @@ class ToolCall:
         return out
 
 
-def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(text: str, names: set[str], bare: bool = True) -> tuple[str | None, list[ToolCall]]:
     """An answer's content and its calls of the functions in `names`. The content is the text
     outside the calls (None if there is none); a block that is not a call of one of the
-    functions stays in it. An answer without calls is its text unchanged."""
+    functions stays in it. With `bare`, an answer that is one call and nothing else, without
+    the tags, is that call. An answer without calls is its text unchanged."""
     parts, calls = _split(text, names)
-    if not calls:
-        return text, []
-    return _content(parts) or None, calls
+    if calls:
+        return _content(parts) or None, calls
+    whole = BARE_CALL.fullmatch(text) if bare else None
+    call = _call(whole.group(1), names) if whole else None
+    return (None, [call]) if call else (text, [])
 
 
 def _split(text: str, names: set[str]) -> tuple[list[str], list[ToolCall]]:
@@ -111,6 +119,13 @@ class CallHolder:
             self.held += text
             return ""
         self.pending += text
+        if not self.sent:  # a whole answer that is one call, without the tags, starts so
+            start = self.pending.lstrip()
+            if start.startswith(("{", FENCE)):
+                self.held, self.pending = self.pending, ""
+                return ""
+            if FENCE.startswith(start):
+                return ""
         found = self.pending.find(OPEN)
         if found >= 0:
             self.pending, self.held = self.pending[:found], self.pending[found:]
@@ -126,7 +141,12 @@ class CallHolder:
         """The text still to send and the answer's calls, once its last text (`tail`) is in."""
         rest = self.pending + (self.held or "") + tail
         parts, calls = _split(rest, self.names)
-        return (_content(parts, self.sent), calls) if calls else (rest, [])
+        if calls:
+            return _content(parts, self.sent), calls
+        if not self.sent:  # the whole answer is here
+            content, calls = parse_tool_calls(rest, self.names)
+            return (content or "", calls) if calls else (rest, [])
+        return rest, []
 
 
 def _longest_start(text: str, word: str) -> int:
