@@ -19,6 +19,7 @@ from verispec.lab.records import read_records
 from verispec.loading import load_model
 
 PATTERN = "[ab]{3}c(cd|t)?"
+GRAMMAR = 'start: ("yes" | "no") " " value\nvalue: %json {"type": "integer", "minimum": 0, "maximum": 99}'
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
           "additionalProperties": False}
 PREFIX, SUFFIX = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n"
@@ -205,17 +206,29 @@ def test_sampled_held_runs_are_tested_against_the_held_distribution(loaded):
     assert evidence.impossible == 1  # the held target never gives it
 
 
+def test_runs_held_to_a_grammar_are_audited_and_keyed_by_it(loaded):
+    records = run(loaded, ["same", "ngram"], prompts("the cat"), grammar=GRAMMAR)
+    assert len(records) == 3
+    for r in records:
+        assert r["audit"]["status"] == audit.VALID, r["audit"]
+        assert re.fullmatch(r"(yes|no) \d{1,2}", loaded["target"].tokenizer.decode(r["token_ids"]))
+        assert r["structure"].startswith("grammar:") and "held to the grammar" in r["audit"]["output"]["reason"]
+
+
 def test_held_and_free_runs_of_one_prompt_are_other_runs():
     prompt = "spec-bench"
     free = bench.run_key("t", "int8", prompt, "1", bench.BASELINE_RUN, 0, settings())
     assert free == "t|int8|spec-bench|1|baseline|0|10|0.0"  # free runs keep the keys they always had
     held = {bench.run_key("t", "int8", prompt, "1", bench.BASELINE_RUN, 0, settings(**kind))
-            for kind in ({"regex": "a"}, {"regex": "b"}, {"json_schema": True}, {"json_schema": SCHEMA})}
-    assert len(held) == 4 and free not in held
+            for kind in ({"regex": "a"}, {"regex": "b"}, {"json_schema": True}, {"json_schema": SCHEMA},
+                         {"grammar": 'start: "a"'})}
+    assert len(held) == 5 and free not in held
 
 
 def test_a_bad_structure_is_refused_before_any_run(loaded):
-    for overrides, message in (({"regex": "("}, "regular expression"), ({"json_schema": True, "regex": "a"}, "not both"),
+    for overrides, message in (({"regex": "("}, "regular expression"),
+                               ({"json_schema": True, "regex": "a"}, "not a JSON schema and a regular expression"),
+                               ({"grammar": "start: ("}, "the grammar could not be compiled"),
                                ({"regex": "a", "ignore_eos": True}, "ignore_eos")):
         with pytest.raises(VerispecError, match=message):
             bench.Bench(loaded["target"], settings(**overrides), label="tiny")
@@ -256,6 +269,7 @@ def test_a_sweep_takes_a_structure_and_refuses_a_bad_one():
     base = {"targets": ["t"], "proposers": ["ngram"]}
     assert sweep.sweep_config_from_dict({**base, "regex": PATTERN}).settings.regex == PATTERN
     assert sweep.sweep_config_from_dict({**base, "json_schema": SCHEMA}).settings.json_schema == SCHEMA
+    assert sweep.sweep_config_from_dict({**base, "grammar": GRAMMAR}).settings.grammar == GRAMMAR
     with pytest.raises(VerispecError, match="'json_schema' must be a JSON schema"):
         sweep.sweep_config_from_dict({**base, "json_schema": "object"})
     with pytest.raises(VerispecError, match="sweep: the regular expression"):
@@ -280,4 +294,9 @@ def test_bench_command_holds_outputs_to_a_schema(folders, loaded, tmp_path, caps
     code, text = run_cli(capsys, "bench", "--model", folders / "target", "--draft", "ngram", "--prompts", lines,
                          "--regex", "(", "--out", tmp_path / "never.jsonl")
     assert code != 0 and "regular expression" in text and not (tmp_path / "never.jsonl").exists()
+    code, text = run_cli(capsys, "bench", "--model", folders / "target", "--draft", "ngram", "--prompts", lines,
+                         "-n", 8, "-r", 1, "--no-warmup", "--no-chat", "--grammar", GRAMMAR, "--out", out)
+    assert code == 0, text
+    held = [r for r in read_records(out) if (r["structure"] or "").startswith("grammar:")]
+    assert len(held) == 4 and all(r["audit"]["status"] == audit.VALID for r in held)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 from verispec.commands.options import (WEIGHT_FORMATS, add_kv_cache_option, add_ngram_option, add_slack_option,
-                                       draft_length, draft_vocab_choice, json_schema, non_negative_float,
-                                       non_negative_int, positive_int)
+                                       draft_length, draft_vocab_choice, grammar, json_schema,
+                                       non_negative_float, non_negative_int, positive_int)
 
 
 def register(sub) -> None:
@@ -53,6 +53,8 @@ def register(sub) -> None:
                              "for any JSON object; the audit checks each output keeps to it")
     parser.add_argument("--regex", default=None, metavar="PATTERN",
                         help="hold every output to a regular expression")
+    parser.add_argument("--grammar", type=grammar, default=None, metavar="GRAMMAR",
+                        help="hold every output to a Lark grammar in llguidance's dialect (its text, or a file)")
     parser.add_argument("--no-warmup", action="store_true")
     parser.add_argument("--bandwidth-gb-s", type=non_negative_float, default=None,
                         help="the machine's peak memory bandwidth, for the bandwidth rule of the audit")
@@ -95,8 +97,9 @@ def run(args) -> int:
     settings = BenchSettings(max_tokens=args.max_tokens, repeats=args.repeats, temperature=args.temperature,
                              seed=args.seed, chat=False if args.no_chat else None, ignore_eos=args.ignore_eos,
                              warmup=not args.no_warmup, bandwidth_gb_s=args.bandwidth_gb_s, slack=args.slack,
-                             ngram=tuple(args.ngram), json_schema=args.json_schema, regex=args.regex)
-    settings.structure()  # a bad schema or pattern stops here, before the models load
+                             ngram=tuple(args.ngram), json_schema=args.json_schema, regex=args.regex,
+                             grammar=args.grammar)
+    settings.structure()  # a bad schema, pattern or grammar stops here, before the models load
     out = args.out or time.strftime("results/bench-%Y%m%d-%H%M%S.jsonl")
     writer = RecordWriter(out, fresh=args.restart)  # checks the path now, writes only with the first record
     done = {} if args.restart else runs_by_key(out)

@@ -106,22 +106,28 @@ class BenchSettings:
     bandwidth_gb_s: float | None = None  # the machine's peak; enables the bandwidth rule
     slack: float = DEFAULT_SLACK
     ngram: tuple[int, int] = (3, 1)
-    # every output held to a JSON schema (True: any JSON object) or a regular expression
+    # every output held to a JSON schema (True: any JSON object), a regular expression or a
+    # grammar (Lark in llguidance's dialect), one at most
     json_schema: dict | bool | None = None
     regex: str | None = None
+    grammar: str | None = None
 
     def structure(self) -> Structure | None:
         """The structure the outputs are held to, compiled once to refuse a bad one before any run."""
-        structure = structure_of(self.json_schema, self.regex)
+        structure = structure_of(self.json_schema, self.regex, self.grammar)
         if structure is not None and self.ignore_eos:
             raise StructureError("a structured output ends where its structure does: leave out ignore_eos")
         return structure
 
     def structure_key(self) -> str | None:
-        """What names the structure in run keys and records: a hash of the schema or pattern."""
-        if self.json_schema in (None, False) and self.regex is None:
+        """What names the structure in run keys and records: a hash of the schema, pattern or grammar."""
+        asked = [(kind, value) for kind, value in (("regex", self.regex), ("grammar", self.grammar))
+                 if value is not None]
+        if self.json_schema not in (None, False):
+            asked.append(("json", self.json_schema))
+        if not asked:
             return None
-        kind, value = ("regex", self.regex) if self.regex is not None else ("json", self.json_schema)
+        kind, value = asked[0]
         digest = hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]
         return f"{kind}:{digest}"
 
@@ -328,7 +334,8 @@ class Bench:
                               draft=self.proposer(config, reference, repeat),
                               gamma=config.gamma, adaptive=config.adaptive, max_tokens=max_tokens,
                               temperature=s.temperature, seed=s.seed + repeat, ignore_eos=s.ignore_eos,
-                              ngram=s.ngram, lookup=config.lookup, json_schema=s.json_schema, regex=s.regex)
+                              ngram=s.ngram, lookup=config.lookup, json_schema=s.json_schema, regex=s.regex,
+                              grammar=s.grammar)
         return result, counter.passes
 
     def measure(self, key: str, prompt_set: str, prompt: Prompt, prompt_ids: list[int], config: RunConfig,

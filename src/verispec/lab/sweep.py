@@ -14,7 +14,8 @@
     max_tokens: 64
     repeats: 3
     json_schema: {type: object}      # hold every output to a JSON schema (true: any object), or
-    regex: "[0-9]+"                  # to a regular expression (one of the two at most)
+    regex: "[0-9]+"                  # to a regular expression, or to a Lark grammar
+    grammar: 'start: "yes" | "no"'   # (one of the three at most)
 
 Every run has a key (target, weights, prompt set, prompt, configuration and a draft
 model's format, repeat, token budget, temperature). Runs whose key is already in the
@@ -181,6 +182,7 @@ _EXPECTED: dict[str, tuple[Callable[[object], bool], str]] = {
     "json_schema": (lambda v: v is None or isinstance(v, (bool, dict)),
                     "a JSON schema (a mapping), true for any JSON object, or false/null for none"),
     "regex": (_optional(_text), "a regular expression"),
+    "grammar": (_optional(_text), "a Lark grammar (llguidance's dialect)"),
 }
 assert set(_EXPECTED) == _KEYS, "every key of a sweep needs its check"
 
