@@ -156,7 +156,7 @@ def test_a_limited_draft_is_penalised_through_its_columns(target):
     prompt = list(range(tiny.VOCAB - 1, 99, -1))
 
     def proposals(vocab_limit: int | None, penalty: PenaltyState | None) -> list[int]:
-        proposer = DraftModelProposer(target, vocab_limit=vocab_limit)
+        proposer = DraftModelProposer(target, vocab_limit=vocab_limit, markdown=False)  # the prompt's ids first
         proposer.rules = LogitsRules(penalty)
         proposer.start(prompt, len(prompt) + 8)
         tokens = proposer.propose(prompt, 6, SamplingParams(), None).tokens
