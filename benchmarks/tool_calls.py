@@ -105,7 +105,8 @@ def main() -> int:
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--choices", nargs="+", default=["auto", "required"], choices=["auto", "required"])
-    parser.add_argument("--adaptive", action="store_true", help="the speculative server with --adaptive (cost-aware γ)")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="the speculative server with --adaptive (cost-aware γ)")
     args = parser.parse_args()
 
     from fastapi.testclient import TestClient
