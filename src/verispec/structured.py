@@ -83,21 +83,28 @@ class Structure:
         return cls(grammar, description)
 
 
+STRUCTURE_KINDS = {"json": "a JSON schema", "regex": "a regular expression", "grammar": "a grammar"}
+
+
+def asked_structure(json_schema: dict[str, Any] | bool | None, regex: str | None,
+                    grammar: str | None = None) -> tuple[str, Any] | None:
+    """(kind, value) of the one structure that `json_schema`, `regex` and `grammar` ask for
+    (a kind of STRUCTURE_KINDS), or None for none; asking for more than one is an error."""
+    asked = [(kind, value) for kind, value in (("json", json_schema), ("regex", regex), ("grammar", grammar))
+             if value not in (None, False)]
+    if len(asked) > 1:
+        raise StructureError(f"ask for one structure at most, not {' and '.join(STRUCTURE_KINDS[k] for k, _ in asked)}")
+    return asked[0] if asked else None
+
+
 def structure_of(json_schema: dict[str, Any] | bool | None, regex: str | None,
                  grammar: str | None = None) -> Structure | None:
     """The structure that stream()'s `json_schema`, `regex` and `grammar` ask for, if any (one at most)."""
-    asked = [name for name, value in (("a JSON schema", json_schema not in (None, False)),
-                                      ("a regular expression", regex is not None),
-                                      ("a grammar", grammar is not None)) if value]
-    if len(asked) > 1:
-        raise StructureError(f"ask for one structure at most, not {' and '.join(asked)}")
-    if regex is not None:
-        return Structure.regex(regex)
-    if grammar is not None:
-        return Structure.lark(grammar)
-    if json_schema not in (None, False):
-        return Structure.json(json_schema)
-    return None
+    asked = asked_structure(json_schema, regex, grammar)
+    if asked is None:
+        return None
+    kind, value = asked
+    return {"json": Structure.json, "regex": Structure.regex, "grammar": Structure.lark}[kind](value)
 
 
 def request_structure(json_schema: dict[str, Any] | bool | None, regex: str | None, tokenizer, vocab_size: int,

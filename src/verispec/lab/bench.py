@@ -30,7 +30,7 @@ from verispec.lab.prompts import Prompt
 from verispec.lab.calibrate import machine_facts
 from verispec.sampling import SamplingParams
 from verispec.spec.draft_model import pair_vocab_limit
-from verispec.structured import Structure, StructureError, StructureState, structure_of
+from verispec.structured import Structure, StructureError, StructureState, asked_structure, structure_of
 
 WARMUP_TOKENS = 8
 
@@ -121,13 +121,10 @@ class BenchSettings:
 
     def structure_key(self) -> str | None:
         """What names the structure in run keys and records: a hash of the schema, pattern or grammar."""
-        asked = [(kind, value) for kind, value in (("regex", self.regex), ("grammar", self.grammar))
-                 if value is not None]
-        if self.json_schema not in (None, False):
-            asked.append(("json", self.json_schema))
-        if not asked:
+        asked = asked_structure(self.json_schema, self.regex, self.grammar)
+        if asked is None:
             return None
-        kind, value = asked[0]
+        kind, value = asked
         digest = hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]
         return f"{kind}:{digest}"
 

@@ -140,13 +140,11 @@ class CallHolder:
     def finish(self, tail: str) -> tuple[str, list[ToolCall]]:
         """The text still to send and the answer's calls, once its last text (`tail`) is in."""
         rest = self.pending + (self.held or "") + tail
-        parts, calls = _split(rest, self.names)
-        if calls:
-            return _content(parts, self.sent), calls
         if not self.sent:  # the whole answer is here
             content, calls = parse_tool_calls(rest, self.names)
             return (content or "", calls) if calls else (rest, [])
-        return rest, []
+        parts, calls = _split(rest, self.names)
+        return (_content(parts, after_text=True), calls) if calls else (rest, [])
 
 
 def _longest_start(text: str, word: str) -> int:
