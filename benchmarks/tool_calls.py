@@ -12,7 +12,7 @@ allows; the draft drafts under the same masks). For each request plain decoding 
 and after the speculative run; speed-up = the plain runs' mean decoding time / the speculative
 run's, summed over the questions. VALID when the speculative answer (its text, its calls'
 names and arguments) is the plain one. The draft's reading of the prompt counts in the
-speculative run's decoding time, and with five tools described the prompt is some 400 tokens
+speculative run's decoding time, and with five tools described the prompt is some 430 tokens
 where an answer is 30 to 100: with --adaptive (as `verispec serve --adaptive`) the draft reads
 only the prompt's last 32 positions at first.
 """
