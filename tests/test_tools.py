@@ -136,6 +136,24 @@ def test_a_streamed_answer_is_held_from_where_a_call_may_start(pieces):
     assert "".join(sent) + rest == content
 
 
+TWO_CALLS = ('Both. <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> and '
+             '<tool_call>{"name": "go", "arguments": {}}</tool_call> done')
+
+
+def test_an_answer_without_parallel_calls_ends_with_its_first_call():
+    assert [c.name for c in parse_tool_calls(TWO_CALLS, NAMES)[1]] == ["f", "go"]
+    content, calls = parse_tool_calls(TWO_CALLS, NAMES, single=True)
+    assert content == "Both." and [(c.name, c.arguments) for c in calls] == [("f", '{"x": 1}')]
+    # a block that is not a call does not count as the first
+    skipped = '<tool_call>{"name": "h"}</tool_call> ' + TWO_CALLS
+    assert [c.name for c in parse_tool_calls(skipped, NAMES, single=True)[1]] == ["f"]
+    for size in (1, 4, 11):  # streamed, the same
+        holder = CallHolder(NAMES, single=True)
+        sent = "".join(holder.feed(TWO_CALLS[i:i + size]) for i in range(0, len(TWO_CALLS), size))
+        rest, streamed = holder.finish("")
+        assert (sent + rest, [c.arguments for c in streamed]) == (content, ['{"x": 1}'])
+
+
 def test_a_streamed_answer_without_calls_is_sent_whole():
     holder = CallHolder(NAMES)
     pieces = [" x < y", " and <", "tool", "_cal", "l> here", " "]
@@ -231,6 +249,17 @@ def test_auto_reads_the_calls_the_model_makes(client, spec_client):
                                                           "guided_regex": CALLING}).json()
         assert "tool_calls" not in plain["choices"][0]["message"]
         assert plain["choices"][0]["message"]["content"].endswith("</tool_call>")
+
+
+def test_parallel_calls_off_keeps_an_answers_first_call(client):
+    two = CALLING + r' <tool_call>\{"name": "go", "arguments": \{\}\}</tool_call>'
+    assert [name for name, _ in calls_of(ask(client, guided_regex=two, max_tokens=120).json())] == ["f", "go"]
+    body = ask(client, guided_regex=two, parallel_tool_calls=False, max_tokens=120).json()
+    assert calls_of(body) == [("f", {"x": 4})] and body["choices"][0]["message"]["content"] == "Sure."
+    chunks = sse_payloads(ask(client, guided_regex=two, parallel_tool_calls=False, stream=True, max_tokens=120))[:-1]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content") or "" for d in deltas) == "Sure."
+    assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", [])] == ["f"]
 
 
 def test_auto_reads_an_answer_that_is_one_call_without_the_tags(client, spec_client):

@@ -53,6 +53,7 @@ class Job:
     echo: Echo | None = None  # the prompt, to answer before the completion
     choices: int = 1  # completions of the prompt, decoded one after another
     tool_names: set[str] | None = None  # the functions an answer may call, read out of its text
+    single_call: bool = False  # parallel calls off: an answer ends with its first call
 
     @property
     def stream_prompt(self) -> str | list[int]:
@@ -143,7 +144,8 @@ class Engine:
         messages = [m.for_template() for m in request.messages]
         prompt_ids = tokenizer.encode_chat(messages, [t.for_template() for t in tools])  # may raise ChatTemplateError
         names = {tool.function.name for tool in tools} if tools else None
-        return Job(self._checked_prompt(prompt_ids), options, choices=request.n or 1, tool_names=names)
+        return Job(self._checked_prompt(prompt_ids), options, choices=request.n or 1, tool_names=names,
+                   single_call=request.parallel_tool_calls is False)
 
     def _calls_grammar(self, request: ChatCompletionRequest) -> str | None:
         """The grammar that holds an answer to calls, where the request forces them."""
@@ -311,7 +313,8 @@ async def _answer(engine: Engine, jobs: list[Job], request: DecodingRequest, cha
     if request.alternatives is not None:  # one per choice: each keeps its own text offsets
         logprobs = [LogprobsShape(engine.target.tokenizer, chat) for _ in choices]
     shape = ResponseShape(engine.name, chat, engine.draft_name, logprobs, [job.echo for job in choices],
-                          per_prompt=jobs[0].choices, tool_names=jobs[0].tool_names)
+                          per_prompt=jobs[0].choices, tool_names=jobs[0].tool_names,
+                          single_call=jobs[0].single_call)
     if request.stream:
         return StreamingResponse(_sse_stream(engine, jobs, shape, request.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -330,7 +333,9 @@ def _opening(shape: ResponseShape, index: int) -> list[str]:
 
 def _call_holder(shape: ResponseShape) -> CallHolder | None:
     """What holds back a chat choice's text from where a tool call may start, if it may make any."""
-    return CallHolder(shape.tool_names) if shape.chat and shape.tool_names is not None else None
+    if not shape.chat or shape.tool_names is None:
+        return None
+    return CallHolder(shape.tool_names, shape.single_call)
 
 
 async def _sse_stream(engine: Engine, jobs: list[Job], shape: ResponseShape,

@@ -132,6 +132,7 @@ class ResponseShape:
     echoes: list[Echo | None] | None = None  # per choice: its prompt, when a completion asks for it first
     per_prompt: int = 1  # choices of each prompt (n), which come one after another
     tool_names: set[str] | None = None  # chat: the functions an answer may call, read out of its text
+    single_call: bool = False  # chat: parallel calls off, so an answer ends with its first call
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -158,7 +159,7 @@ class ResponseShape:
         if self.chat:
             choice["message"] = {"role": "assistant", "content": result.text}
             if self.tool_names is not None:
-                content, calls = parse_tool_calls(result.text, self.tool_names)
+                content, calls = parse_tool_calls(result.text, self.tool_names, single=self.single_call)
                 if calls:
                     choice["message"].update(content=content, tool_calls=[call.body() for call in calls])
                     finish_reason = "tool_calls"

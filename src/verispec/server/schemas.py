@@ -279,7 +279,7 @@ class ChatCompletionRequest(DecodingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None  # functions the model may call (verispec.server.tools)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto"
-    parallel_tool_calls: bool | None = None  # None: true; false: a forced answer makes one call
+    parallel_tool_calls: bool | None = None  # None: true; false: an answer makes one call at most
 
     @model_validator(mode="after")
     def _tool_choice_among_tools(self) -> "ChatCompletionRequest":

@@ -51,12 +51,14 @@ class ToolCall:
         return out
 
 
-def parse_tool_calls(text: str, names: set[str], bare: bool = True) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(text: str, names: set[str], bare: bool = True,
+                     single: bool = False) -> tuple[str | None, list[ToolCall]]:
     """An answer's content and its calls of the functions in `names`. The content is the text
     outside the calls (None if there is none); a block that is not a call of one of the
     functions stays in it. With `bare`, an answer that is one call and nothing else, without
-    the tags, is that call. An answer without calls is its text unchanged."""
-    parts, calls = _split(text, names)
+    the tags, is that call. With `single` (parallel calls off), the answer ends with its
+    first call. An answer without calls is its text unchanged."""
+    parts, calls = _split(text, names, single)
     if calls:
         return _content(parts) or None, calls
     whole = BARE_CALL.fullmatch(text) if bare else None
@@ -64,8 +66,9 @@ def parse_tool_calls(text: str, names: set[str], bare: bool = True) -> tuple[str
     return (None, [call]) if call else (text, [])
 
 
-def _split(text: str, names: set[str]) -> tuple[list[str], list[ToolCall]]:
-    """The calls in `text`, and the pieces of text before, between and after them."""
+def _split(text: str, names: set[str], single: bool = False) -> tuple[list[str], list[ToolCall]]:
+    """The calls in `text`, and the pieces of text before, between and after them; with
+    `single`, the first call and the text before it."""
     parts, calls, start = [], [], 0
     for match in CALL.finditer(text):
         call = _call(match.group(1), names)
@@ -74,6 +77,8 @@ def _split(text: str, names: set[str]) -> tuple[list[str], list[ToolCall]]:
         parts.append(text[start:match.start()])
         start = match.end()
         calls.append(call)
+        if single:
+            return [*parts, ""], calls
     return [*parts, text[start:]], calls
 
 
@@ -107,8 +112,8 @@ class CallHolder:
     held, and read for calls when the answer ends. What it sends, and then what `finish` gives,
     add up to the content `parse_tool_calls` reads out of the whole answer."""
 
-    def __init__(self, names: set[str]):
-        self.names = names
+    def __init__(self, names: set[str], single: bool = False):
+        self.names, self.single = names, single
         self.sent = False  # whether any text went out
         self.pending = ""  # text that may be the start of <tool_call>, or whitespace before one
         self.held: str | None = None  # everything from the first <tool_call> on
@@ -141,9 +146,9 @@ class CallHolder:
         """The text still to send and the answer's calls, once its last text (`tail`) is in."""
         rest = self.pending + (self.held or "") + tail
         if not self.sent:  # the whole answer is here
-            content, calls = parse_tool_calls(rest, self.names)
+            content, calls = parse_tool_calls(rest, self.names, single=self.single)
             return (content or "", calls) if calls else (rest, [])
-        parts, calls = _split(rest, self.names)
+        parts, calls = _split(rest, self.names, self.single)
         return (_content(parts, after_text=True), calls) if calls else (rest, [])
 
 
