@@ -211,15 +211,26 @@ bool is_zen4() {
   return __builtin_cpu_is("amdfam19h") && __builtin_cpu_supports("avx512f");
 }
 
+// An AMD family 19h core without AVX-512: the Zen 3.
+bool is_zen3() {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amdfam19h") && !__builtin_cpu_supports("avx512f");
+}
+
 // How far ahead passes of several rows that read one stream per thread (more rows than the
 // format reads as pairs) fetch it, unless `set_pass_stream_prefetch` changes it: on the Zen 4
-// 4 KB, elsewhere as far as stream_prefetch(). Such a tile takes rows times as long over each
-// line as a one-row step, so a shorter distance covers the same time: on the Zen 4, with 4 KB
-// in place, 20 KB took int4 passes over 9 / 17 positions 1.03-1.04x / 1.01x the time, int8
-// over 9 1.02-1.03x, bfloat16 over 9 1.08-1.11x (benchmarks/stack_ab.py with
-// variants/pass_streams_fetched_20_kb_ahead.patch; benchmarks/pair_prefetch.py --positions 9
-// compares distances; NOTES.md, "The Zen 4 a fourth time").
-int64_t default_pass_stream_prefetch() { return is_zen4() ? 4 * 1024 : stream_prefetch(); }
+// 4 KB, on the Zen 3 2 KB, elsewhere as far as stream_prefetch(). Such a tile takes rows times
+// as long over each line as a one-row step, so a shorter distance covers the same time: on the
+// Zen 4, with 4 KB in place, 20 KB took int4 passes over 9 / 17 positions 1.03-1.04x / 1.01x
+// the time, int8 over 9 1.02-1.03x, bfloat16 over 9 1.08-1.11x (benchmarks/stack_ab.py with
+// variants/pass_streams_fetched_20_kb_ahead.patch; NOTES.md, "The Zen 4 a fourth time"). On
+// the Zen 3, 2 KB against 20 KB took int4 passes over 5 / 9 positions 0.90-0.99x / 0.87-0.94x
+// the time, int8 over 5 0.91-1.00x, bfloat16 over 5 0.97x (benchmarks/pair_prefetch.py
+// --positions 5 / 9 compares distances; NOTES.md, "The Zen 3 again").
+int64_t default_pass_stream_prefetch() {
+  if (is_zen4()) return 4 * 1024;
+  return is_zen3() ? 2 * 1024 : stream_prefetch();
+}
 std::atomic<int64_t> g_pass_stream_prefetch{default_pass_stream_prefetch()};
 inline int64_t pass_stream_prefetch() { return g_pass_stream_prefetch.load(std::memory_order_relaxed); }
 void set_pass_stream_prefetch(int64_t bytes) { store_distance(g_pass_stream_prefetch, bytes); }
