@@ -1084,12 +1084,6 @@ at::Tensor dequantize_int4(const at::Tensor& q, const at::Tensor& scales) {
   return out;
 }
 
-// each of 8 int32 lanes' low 16 bits, in order (AVX2 instructions, in both builds)
-inline __m128i low_halves(__m256i v) {
-  const __m256i packed = _mm256_packus_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_setzero_si256());
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
-}
-
 // ------------------------------------------------------------------ 16 lanes: one panel's columns
 //
 // The panel kernels below keep a panel's 16 output columns in 16 lanes: one 512-bit
@@ -1186,6 +1180,10 @@ inline ILanes lround(Lanes a) { return {_mm256_cvtps_epi32(a.lo), _mm256_cvtps_e
 inline Lanes lhalves(const uint8_t* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
+}
+inline __m128i low_halves(__m256i v) {  // each of 8 lanes' low 16 bits, in order
+  const __m256i packed = _mm256_packus_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_setzero_si256());
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
 }
 inline Lanes lhalves_low(ILanes a) { return {_mm256_cvtph_ps(low_halves(a.lo)), _mm256_cvtph_ps(low_halves(a.hi))}; }
 inline ILanes izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
@@ -1358,7 +1356,7 @@ struct SpreadFetch {
   VERISPEC_PREFETCHES void step() {
     for (owed += lines; owed >= steps; owed -= steps, ++next) {
       fetch_pair_ahead(a + 64 * next, 0, further, 1);
-      if (b) fetch_pair_ahead(b + 64 * next, 0, further, 1);
+      fetch_pair_ahead(b + 64 * next, 0, further, 1);
     }
   }
 };
@@ -1581,7 +1579,6 @@ struct PanelF32 {
   static constexpr int kPerLine = 1;
   static constexpr int64_t kPassPairRows = ::kPassPairRows;
   static void unpack(ILanes v, Lanes* w) { w[0] = lbits(v); }
-  static void unpack_half(__m256i v, __m256* w) { w[0] = _mm256_castsi256_ps(v); }  // 8 of the 16 columns
 };
 struct PanelBF16 {  // dword j: column j's input 2t in the low half, 2t+1 in the high half
   static constexpr int kPerLine = 2;
@@ -1590,10 +1587,6 @@ struct PanelBF16 {  // dword j: column j's input 2t in the low half, 2t+1 in the
     w[0] = lbits(isll32(v, 16));
     w[1] = lbits(iand(v, iset1(static_cast<int32_t>(0xFFFF0000u))));
   }
-  static void unpack_half(__m256i v, __m256* w) {
-    w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-    w[1] = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
-  }
 };
 struct PanelF16 {
   static constexpr int kPerLine = 2;
@@ -1601,10 +1594,6 @@ struct PanelF16 {
   static void unpack(ILanes v, Lanes* w) {
     w[0] = lhalves_low(v);
     w[1] = lhalves_low(isrl32(v, 16));
-  }
-  static void unpack_half(__m256i v, __m256* w) {
-    w[0] = _mm256_cvtph_ps(low_halves(v));
-    w[1] = _mm256_cvtph_ps(low_halves(_mm256_srli_epi32(v, 16)));
   }
 };
 
@@ -1713,93 +1702,12 @@ void float_panel_pair(const uint8_t* pa, const uint8_t* pb, int64_t k, const flo
     }
 }
 
-// Passes over float panels with AVX2. A tile of 2 rows over all 16 columns keeps 16
-// accumulators (4 per row, two ymm registers each) in the 16 ymm registers, so GCC holds half
-// of them on the stack and every step's multiply-adds wait on a store and a load; a pass over 5
-// rows reads each panel three times, twice from L2. Passes of up to kHalfMaxRows rows read each
-// block of kHalfBlock bytes of a panel in its two halves, columns 0-7 and then 8-15, in tiles of
-// 2 rows (8 accumulators and a step's 4 weights: nothing on the stack), every tile after the
-// block's first reading it from L1 while the next block is fetched, spread over all of them.
-// Lane by lane these are float_panel_tile's multiply-adds in the same order: the same bits. On
-// the Zen 3 passes of the 1.5B over 3 and 5 positions took 0.88-0.97x the time in bfloat16 and
-// 0.87x over 5 in float32, over 9 positions 1.01-1.09x; 8 KB blocks 0.97-1.18x, tiles of 3 rows
-// a line at a time 1.05x over 5 and 1.21-1.50x over 9 (benchmarks/stack_ab.py with
-// variants/avx2_float_passes_in_full_tiles.patch undoes it; NOTES.md, "The Zen 3 a third time").
-constexpr int kHalfRows = 2;          // rows per tile over one half of a panel
-constexpr int kHalfMaxRows = 8;       // passes of more rows go in full tiles, as before
-constexpr int64_t kHalfBlock = 2048;  // bytes of a panel per block
-
-using HalfSums = __m256[2][4];  // one row's accumulators: [half][accumulator]
-
-// Steps kk in [k0, k1) of rows [0, R) over columns 8h..8h+7 of a panel, each row's 4
-// accumulators taken from sums[r][h] and put back.
-template <class P, int R>
-__attribute__((noinline)) void float_half_steps(const uint8_t* panel, int h, int64_t k0, int64_t k1,
-                                                const float* x, int64_t ldx, HalfSums* sums, PairFetch fetch) {
-  constexpr int L = P::kPerLine, kLinesPerStep = 4 / L;
-  __m256 a[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 4; ++i) a[r][i] = sums[r][h][i];
-  SpreadFetch spread(panel, nullptr, fetch, (k1 - k0) / 4);
-  for (int64_t kk = k0; kk < k1; kk += 4) {
-    const uint8_t* line = panel + kk / L * 64 + 32 * h;
-    spread.step();
-    __m256 w[4];
-    for (int l = 0; l < kLinesPerStep; ++l)
-      P::unpack_half(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 64 * l)), w + l * L);
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < 4; ++i) a[r][i] = _mm256_fmadd_ps(w[i], _mm256_set1_ps(x[r * ldx + kk + i]), a[r][i]);
-  }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 4; ++i) sums[r][h][i] = a[r][i];
-}
-
-// rows [0, m) x the 16 columns of one panel (m <= kHalfMaxRows) in blocks and halves;
-// `fetch_end` (or null: nothing fetched): where this thread's stream ends, whose lines `ahead`
-// bytes past each block are fetched while the block is read
-template <class P>
-void float_panel_halves(const uint8_t* panel, int64_t k, const float* x, int64_t m, float* y, int64_t ldy,
-                        int64_t col0, const float* bias, const float* residual, const uint8_t* fetch_end,
-                        int64_t ahead) {
-  constexpr int L = P::kPerLine;
-  const int64_t block = kHalfBlock / 64 * L;  // inputs per block
-  const int64_t tiles = 2 * ((m + kHalfRows - 1) / kHalfRows);  // tiles over each block
-  HalfSums sums[kHalfMaxRows];
-  for (int64_t r = 0; r < m; ++r)
-    for (int h = 0; h < 2; ++h)
-      for (int i = 0; i < 4; ++i) sums[r][h][i] = _mm256_setzero_ps();
-  for (int64_t k0 = 0, tile = 0; k0 < k; k0 += block) {
-    const int64_t k1 = std::min(k, k0 + block);
-    const int64_t from = (k0 / L * 64 + ahead) / 64, end_line = fetch_end ? (fetch_end - panel) / 64 : 0;
-    const int64_t to = std::min((k1 / L * 64 + ahead) / 64, end_line);
-    const int64_t lines = fetch_end && ahead ? std::max<int64_t>(0, to - from) : 0;
-    for (int h = 0; h < 2; ++h)
-      split_rows(m, kHalfRows, [&](int64_t row0, int64_t rows) {
-        const int64_t t = tile++ % tiles;
-        const PairFetch fetch{from + lines * t / tiles, from + lines * (t + 1) / tiles, lines > 0};
-        with_rows<kHalfRows>(static_cast<int>(rows), [&](auto r) {
-          float_half_steps<P, decltype(r)::value>(panel, h, k0, k1, x + row0 * k, k, sums + row0, fetch);
-        });
-      });
-  }
-  for (int64_t r = 0; r < m; ++r)
-    for (int h = 0; h < 2; ++h) {
-      const __m256* s = sums[r][h];
-      __m256 v = _mm256_add_ps(_mm256_add_ps(s[0], s[1]), _mm256_add_ps(s[2], s[3]));
-      const int64_t col = col0 + 8 * h;
-      if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + col));
-      if (residual) v = _mm256_add_ps(v, _mm256_loadu_ps(residual + r * ldy + col));
-      _mm256_storeu_ps(y + r * ldy + col, v);
-    }
-}
-
 template <class P>
 void matmul_float_panels(const uint8_t* panels, int64_t n, int64_t k, const float* x, int64_t m, float* y,
                          const float* bias, const float* residual) {
   const int64_t stride = kPanel * k * 4 / P::kPerLine;
-  const bool halves = !kWideLanes && m > 1 && m <= kHalfMaxRows;  // all its rows to float_panel_halves
-  for_each_panel_tile(panels, n / kPanel, stride, k, m, halves ? kHalfMaxRows : kFloatPanelRows, kFloatPairMaxRows,
-                      PanelKind::floating, P::kPassPairRows,
+  for_each_panel_tile(panels, n / kPanel, stride, k, m, kFloatPanelRows, kFloatPairMaxRows, PanelKind::floating,
+                      P::kPassPairRows,
                       [&](int rows, int64_t p, int64_t q, int64_t row0, const uint8_t* fetch_end, int64_t ahead) {
     if (q >= 0) {  // two streams
       float_panel_pair<P>(panels + p * stride, panels + q * stride, k, x + row0 * k, rows, y + row0 * n, n,
@@ -1808,11 +1716,6 @@ void matmul_float_panels(const uint8_t* panels, int64_t n, int64_t k, const floa
     }
     // one panel: a tile of a pass read as one stream, or the odd one out of a region read as
     // pairs, whose rows may need more than one tile
-    if (halves) {
-      float_panel_halves<P>(panels + p * stride, k, x + row0 * k, rows, y + row0 * n, n, p * kPanel, bias,
-                            residual ? residual + row0 * n : nullptr, fetch_end, ahead);
-      return;
-    }
     split_rows(rows, kFloatPanelRows, [&](int64_t first, int64_t count) {
       const int64_t r0 = row0 + first;
       with_rows<kFloatPanelRows>(static_cast<int>(count), [&](auto r) {
