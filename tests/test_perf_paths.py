@@ -696,11 +696,16 @@ def test_a_build_killed_midway_does_not_hang_the_next_start():
     """PyTorch marks a build in progress with a `lock` file in the build folder and waits while
     one is there; a build killed midway leaves it. The next start clears it and loads."""
     name = kernels.module_name(kernels._SOURCE, "verispec_cpu", kernels._FLAGS)
-    leftover = kernels.build_folder(name) / "lock"
-    leftover.touch()
+    folder = kernels.build_folder(name)
+    leftover = folder / "lock"
+    # Both under the build lock: a process loading the kernels meanwhile makes and removes its
+    # own `lock` file while it holds that lock, so it neither meets this mark nor is mistaken for it.
+    with kernels.build_lock(folder):
+        leftover.touch()
     loads = "from verispec import kernels; assert kernels.compile_source(kernels._SOURCE) is not None"
     subprocess.run([sys.executable, "-c", loads], check=True, timeout=300)
-    assert not leftover.exists()
+    with kernels.build_lock(folder):
+        assert not leftover.exists()
 
 
 # On an AVX2 processor the usual build is the AVX2 one, and the tests above already run it;

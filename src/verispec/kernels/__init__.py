@@ -94,13 +94,20 @@ def _one_build_at_a_time(folder: Path) -> Iterator[None]:
     marks a build in progress with a `lock` file and waits for ever while one is there, so a
     build killed midway (Ctrl-C on the first run) would hang every later start; holding our
     lock, no build is in progress, and a `lock` file found is such a leftover."""
+    with build_lock(folder):
+        (folder / "lock").unlink(missing_ok=True)
+        yield
+
+
+@contextlib.contextmanager
+def build_lock(folder: Path) -> Iterator[None]:
+    """The lock every build and load of the kernels in `folder` holds (none without fcntl)."""
     if fcntl is None:
         yield
         return
     with open(folder / "verispec.lock", "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            (folder / "lock").unlink(missing_ok=True)
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
