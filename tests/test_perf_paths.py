@@ -217,14 +217,26 @@ def test_a_long_prompt_goes_through_in_slices(folder):
 @pytest.mark.parametrize("hq,hkv", [(12, 2), (32, 2), (6, 3), (4, 4)])
 def test_attention_reads_a_groups_keys_once_with_the_same_bits_as_head_by_head(hq, hkv):
     """On one thread the query heads sharing a key/value head go through the cache together
-    (up to 64 chains of a head and a position, in tiles of several chains and keys); with
-    more threads than such groups, head by head. Both give the same bits, and the attention
-    of a plain reference (no rotation: cos 1, sin 0). The values are weighed in tiles of
+    (up to 64 chains of a head and a position, in tiles of several chains and keys, or key by
+    key); with more threads than such groups, head by head. Both give the same bits, and the
+    attention of a plain reference (no rotation: cos 1, sin 0). The values are weighed in tiles of
     16 KB of the cache (64 positions here), so the longer contexts span several."""
-    _check_attention(kernels.cpu_kernels().attention, hq, hkv)
+    _check_attention(kernels.cpu_kernels(), hq, hkv)
 
 
-def _check_attention(attention, hq: int, hkv: int) -> None:
+def _check_attention(k, hq: int, hkv: int) -> None:
+    """Both ways the cache is read: fetched by the hardware alone (AMD's default; with AVX2 a
+    few chains then go key by key) and fetched ahead in software (Intel's)."""
+    default_ahead = k.pair_prefetch()
+    try:
+        for ahead in (0, 1536):
+            k.set_pair_prefetch(ahead)
+            _check_attention_cases(k.attention, hq, hkv)
+    finally:
+        k.set_pair_prefetch(default_ahead)
+
+
+def _check_attention_cases(attention, hq: int, hkv: int) -> None:
     generator = torch.Generator().manual_seed(hq)
     d = 64
     for m, window, start in [(1, 0, 37), (5, 0, 37), (3, 20, 37), (1, 0, 300), (5, 0, 300), (2, 150, 300)]:
@@ -723,7 +735,7 @@ def avx2_kernels():
 @needs_avx512
 @pytest.mark.parametrize("hq,hkv", [(12, 2), (32, 2)])
 def test_the_avx2_build_attends_in_groups_with_the_bits_of_head_by_head(avx2_kernels, hq, hkv):
-    _check_attention(avx2_kernels.attention, hq, hkv)
+    _check_attention(avx2_kernels, hq, hkv)
 
 
 @needs_avx512

@@ -775,12 +775,13 @@ inline vfloat vsum_lanes(const vfloat* v) {
   const vfloat s = vadd(_mm256_shuffle_ps(r[0], r[1], 0x88), _mm256_shuffle_ps(r[0], r[1], 0xDD));
   return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  // lane 4t + u held vector 2u + t
 }
-// dst[i] = v[first + i] for i in [0, count)
+// dst[i] = v[first + i] for i in [0, count), through the stack: a masked store
+// (`vmaskmovps`) is slow on the Zen 3, where passes' attention took 0.88-0.90x the time
+// without it (benchmarks/NOTES.md, "The Zen 3 a fourth time")
 inline void store_lanes(float* dst, vfloat v, int first, int count) {
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i keep = _mm256_and_si256(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32(first - 1)),
-                                        _mm256_cmpgt_epi32(_mm256_set1_epi32(first + count), lane));
-  _mm256_maskstore_ps(dst - first, keep, v);
+  alignas(32) float lanes[kLanes];
+  _mm256_store_ps(lanes, v);
+  std::memcpy(dst, lanes + first, count * sizeof(float));
 }
 inline float vmaxall(vfloat v) {
   __m128 q = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -2012,6 +2013,26 @@ inline vfloat score_tile(const float* q, int C, int c0, const T* keys, int64_t d
   return vsum_lanes(dot);
 }
 
+// score_together's scores for a few chains (C), one key at a time: each key's blocks of
+// features are read once, in order, and scored for all C chains. Each score is one chain of
+// FMAs over the features summed by vsum, as score_tile's, so the same bits.
+template <class T, int C>
+void score_key_by_key(const float* q, const T* keys, int64_t d, int64_t from, int64_t to, float scale,
+                      float* scores, int64_t stride, float* best) {
+  for (int64_t j = from; j <= to; ++j) {
+    vfloat dot[C];
+    for (int c = 0; c < C; ++c) dot[c] = vzero();
+    for (int64_t e = 0, block = 0; e < d; e += kLanes, ++block) {
+      const vfloat key = load_cache(keys + j * d + e);
+      for (int c = 0; c < C; ++c) dot[c] = vfma(vload(q + (block * C + c) * kLanes), key, dot[c]);
+    }
+    for (int c = 0; c < C; ++c) {
+      scores[c * stride + j] = vsum(dot[c]) * scale;
+      best[c] = std::max(best[c], scores[c * stride + j]);
+    }
+  }
+}
+
 // Chains' queries, interleaved per block of 16 features: q[(e / kLanes) * C * kLanes + c * kLanes + lane].
 // scores[c * stride + j] = (q_c . key_j) * scale for j in [from, to]; best[c]: the largest so far.
 // Keys go by kLanes at a time, scored in tiles of 4, 2 or 1 chains by as many keys as make
@@ -2020,6 +2041,15 @@ inline vfloat score_tile(const float* q, int C, int c0, const T* keys, int64_t d
 template <class T>
 void score_together(const float* q, int C, const T* keys, int64_t d, int64_t from, int64_t to, float scale,
                     float* scores, int64_t stride, float* best) {
+  // With AVX2 and the hardware alone fetching (AMD processors), a few chains read faster key
+  // by key than in tiles of keys: one position's attention took 0.70-0.76x the time on the
+  // Zen 3 (benchmarks/NOTES.md, "The Zen 3 a fourth time"). Not measured with AVX-512.
+  if (kLanes == 8 && C > 1 && C <= 8 && pair_prefetch() == 0) {
+    with_rows<8>(C, [&](auto chains) {
+      score_key_by_key<T, decltype(chains)::value>(q, keys, d, from, to, scale, scores, stride, best);
+    });
+    return;
+  }
   // Where streams are fetched in software (Intel processors; the hardware alone fell behind
   // there: benchmarks/attention.py --patch benchmarks/variants/attention_as_before.patch).
   // With a few chains (a plain step's) the scores wait on memory, and the first group of
