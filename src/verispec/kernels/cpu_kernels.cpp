@@ -2041,15 +2041,6 @@ void score_key_by_key(const float* q, const T* keys, int64_t d, int64_t from, in
 template <class T>
 void score_together(const float* q, int C, const T* keys, int64_t d, int64_t from, int64_t to, float scale,
                     float* scores, int64_t stride, float* best) {
-  // With AVX2 and the hardware alone fetching (AMD processors), a few chains read faster key
-  // by key than in tiles of keys: one position's attention took 0.70-0.76x the time on the
-  // Zen 3 (benchmarks/NOTES.md, "The Zen 3 a fourth time"). Not measured with AVX-512.
-  if (kLanes == 8 && C > 1 && C <= 8 && pair_prefetch() == 0) {
-    with_rows<8>(C, [&](auto chains) {
-      score_key_by_key<T, decltype(chains)::value>(q, keys, d, from, to, scale, scores, stride, best);
-    });
-    return;
-  }
   // Where streams are fetched in software (Intel processors; the hardware alone fell behind
   // there: benchmarks/attention.py --patch benchmarks/variants/attention_as_before.patch).
   // With a few chains (a plain step's) the scores wait on memory, and the first group of
@@ -2184,7 +2175,17 @@ void attend_chains(const float* q, int64_t rows, int64_t heads, const T* keys, c
   const int64_t first = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
   float best[kMaxChains];
   for (int c = 0; c < C; ++c) best[c] = -INFINITY;
-  score_together<T>(q, C, keys, d, first, pos0, scale, scores, stride, best);
+  // With AVX2 and the hardware alone fetching (AMD processors), a few chains (a plain step's)
+  // read faster key by key than in tiles of keys: one position's attention took 0.70-0.76x the
+  // time on the Zen 3 (benchmarks/NOTES.md, "The Zen 3 a fourth time"); not measured with
+  // AVX-512. Chosen here, not inside score_together, which GCC then compiled otherwise, the
+  // tiles of passes slower.
+  if (kLanes == 8 && C > 1 && C <= 8 && pair_prefetch() == 0)
+    with_rows<8>(C, [&](auto chains) {
+      score_key_by_key<T, decltype(chains)::value>(q, keys, d, first, pos0, scale, scores, stride, best);
+    });
+  else
+    score_together<T>(q, C, keys, d, first, pos0, scale, scores, stride, best);
   std::vector<float> alone(d);
   for (int64_t r = 1; r < rows; ++r)  // later rows' own positions: each chain alone
     for (int64_t g = 0; g < heads; ++g) {
