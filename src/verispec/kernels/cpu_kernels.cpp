@@ -776,8 +776,8 @@ inline vfloat vsum_lanes(const vfloat* v) {
   return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  // lane 4t + u held vector 2u + t
 }
 // dst[i] = v[first + i] for i in [0, count), through the stack: a masked store
-// (`vmaskmovps`) is slow on the Zen 3, where passes' attention took 0.88-0.90x the time
-// without it (benchmarks/NOTES.md, "The Zen 3 a fourth time")
+// (`vmaskmovps`) is slow on the Zen 3, where passes' attention over 5 and 9 positions took
+// 0.78-0.95x the time without it (benchmarks/NOTES.md, "The Zen 3 a fourth time")
 inline void store_lanes(float* dst, vfloat v, int first, int count) {
   alignas(32) float lanes[kLanes];
   _mm256_store_ps(lanes, v);
@@ -2176,7 +2176,7 @@ void attend_chains(const float* q, int64_t rows, int64_t heads, const T* keys, c
   float best[kMaxChains];
   for (int c = 0; c < C; ++c) best[c] = -INFINITY;
   // With AVX2 and the hardware alone fetching (AMD processors), a few chains (a plain step's)
-  // read faster key by key than in tiles of keys: one position's attention took 0.70-0.76x the
+  // read faster key by key than in tiles of keys: one position's attention took 0.58-0.79x the
   // time on the Zen 3 (benchmarks/NOTES.md, "The Zen 3 a fourth time"); not measured with
   // AVX-512. Chosen here, not inside score_together, which GCC then compiled otherwise, the
   // tiles of passes slower.
