@@ -227,13 +227,16 @@ def test_attention_reads_a_groups_keys_once_with_the_same_bits_as_head_by_head(h
 def _check_attention(k, hq: int, hkv: int) -> None:
     """Both ways the cache is read: fetched by the hardware alone (AMD's default; with AVX2 a
     few chains then go key by key) and fetched ahead in software (Intel's)."""
-    default_ahead = k.pair_prefetch()
+    default_ahead = k.attention_prefetch()
     try:
         for ahead in (0, 1536):
-            k.set_pair_prefetch(ahead)
+            k.set_attention_prefetch(ahead)
             _check_attention_cases(k.attention, hq, hkv)
+        with pytest.raises(RuntimeError, match="multiple of 64"):
+            k.set_attention_prefetch(100)
     finally:
-        k.set_pair_prefetch(default_ahead)
+        k.set_attention_prefetch(default_ahead)
+    assert default_ahead in (0, 1536)  # Intel: 1.5 KB; elsewhere the hardware alone
 
 
 def _check_attention_cases(attention, hq: int, hkv: int) -> None:

@@ -241,8 +241,7 @@ void set_pass_stream_prefetch(int64_t bytes) { store_distance(g_pass_stream_pref
 // took the 1.5B's one-row steps from 37.1 to 33.5 ms in int4 and from 122 to 99 ms in
 // bfloat16, near the best distance in every format; on an AMD EPYC (Zen 4), fetching two
 // streams in software read less than the hardware alone (benchmarks/pair_prefetch.py
-// compares distances). Where it is not 0, attention fetches its cached keys as far ahead,
-// and its values a tile ahead.
+// compares distances).
 int64_t default_pair_prefetch() {
   __builtin_cpu_init();  // this runs among the static initialisers
   return __builtin_cpu_is("intel") ? 1536 : 0;
@@ -250,6 +249,18 @@ int64_t default_pair_prefetch() {
 std::atomic<int64_t> g_pair_prefetch{default_pair_prefetch()};
 inline int64_t pair_prefetch() { return g_pair_prefetch.load(std::memory_order_relaxed); }
 void set_pair_prefetch(int64_t bytes) { store_distance(g_pair_prefetch, bytes); }
+
+// How far ahead attention fetches its cached keys in software, and whether it fetches its
+// values a tile ahead, unless `set_attention_prefetch` changes it: on Intel processors 1.5 KB,
+// elsewhere 0 (the hardware prefetcher alone), measured as attention (benchmarks/attention.py),
+// apart from how far the products fetch their weights.
+int64_t default_attention_prefetch() {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("intel") ? 1536 : 0;
+}
+std::atomic<int64_t> g_attention_prefetch{default_attention_prefetch()};
+inline int64_t attention_prefetch() { return g_attention_prefetch.load(std::memory_order_relaxed); }
+void set_attention_prefetch(int64_t bytes) { store_distance(g_attention_prefetch, bytes); }
 
 // How far ahead each of the two streams per thread of a product that reads pairs of panels
 // is also fetched into L2, where it is fetched in software at all, unless
@@ -2044,10 +2055,10 @@ void score_together(const float* q, int C, const T* keys, int64_t d, int64_t fro
   // Where streams are fetched in software (Intel processors; the hardware alone fell behind
   // there: benchmarks/attention.py --patch benchmarks/variants/attention_as_before.patch).
   // With a few chains (a plain step's) the scores wait on memory, and the first group of
-  // chains fetches its keys pair_prefetch() bytes ahead of those it reads, as a product's
+  // chains fetches its keys attention_prefetch() bytes ahead of those it reads, as a product's
   // panels are fetched. With more they wait on arithmetic, and the tiles of each kLanes keys
   // share out the fetching of the next kLanes keys (NOTES.md, "The Xeon a fourth time").
-  const int64_t ahead = pair_prefetch(), row_bytes = d * static_cast<int64_t>(sizeof(T));
+  const int64_t ahead = attention_prefetch(), row_bytes = d * static_cast<int64_t>(sizeof(T));
   const bool few_chains = C <= 8;
   const int64_t block_lines = kLanes * row_bytes / 64, share = (block_lines + C - 1) / C;  // C tiles per kLanes keys
   vfloat high[kMaxChains];  // per group of chains: the largest scores, lane by lane as in its tiles
@@ -2098,7 +2109,7 @@ void score_together(const float* q, int C, const T* keys, int64_t d, int64_t fro
 // C * B blocks of sums, often less than a whole value row, so the positions go by in tiles of
 // about 16 KB of values, each tile's rows read once from memory and then from the cache by
 // each group of blocks in turn, rather than every group streaming every row from memory.
-// Where streams are fetched in software (pair_prefetch() > 0, Intel processors), each group
+// Where the cache is fetched in software (attention_prefetch() > 0, Intel processors), each group
 // fetches its share of the next tile's rows, so that the memory is busy through all of a
 // tile's arithmetic, not only the first group's (benchmarks/NOTES.md, "The Xeon a third
 // time", compares this with the first group fetching the tile's rows a few ahead). Each sum
@@ -2136,7 +2147,7 @@ void weigh_together(const T* values, int64_t d, int64_t from, int64_t to, const 
     const int64_t blocks = d / (B * kLanes) + d % (B * kLanes) / kLanes;  // the blocks left over go one at a time
     const int64_t passes = groups * blocks;
     const int64_t share = (row_bytes / 64 + passes - 1) / passes * 64;  // of each row, fetched per pass
-    const bool fetch = pair_prefetch() > 0;
+    const bool fetch = attention_prefetch() > 0;
     if (fetch) fetch_rows(values + from * d, std::min(tile, to - from + 1) * row_bytes, 0);
     for (int64_t t0 = from; t0 <= to; t0 += tile) {
       const int64_t t1 = std::min(to, t0 + tile - 1);
@@ -2180,7 +2191,7 @@ void attend_chains(const float* q, int64_t rows, int64_t heads, const T* keys, c
   // time on the Zen 3 (benchmarks/NOTES.md, "The Zen 3 a fourth time"); not measured with
   // AVX-512. Chosen here, not inside score_together, which GCC then compiled otherwise, the
   // tiles of passes slower.
-  if (kLanes == 8 && C > 1 && C <= 8 && pair_prefetch() == 0)
+  if (kLanes == 8 && C > 1 && C <= 8 && attention_prefetch() == 0)
     with_rows<8>(C, [&](auto chains) {
       score_key_by_key<T, decltype(chains)::value>(q, keys, d, first, pos0, scale, scores, stride, best);
     });
@@ -2719,6 +2730,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_pair_prefetch", &set_pair_prefetch,
         "how many bytes ahead each of a product's two streams per thread is fetched in software (0: by the hardware alone)");
   m.def("pair_prefetch", &pair_prefetch, "how many bytes ahead a product's two streams per thread are fetched");
+  m.def("set_attention_prefetch", &set_attention_prefetch,
+        "how many bytes ahead attention fetches its cached keys in software (0: by the hardware alone)");
+  m.def("attention_prefetch", &attention_prefetch, "how many bytes ahead attention fetches its cached keys");
   m.def("set_pass_pair_prefetch", &set_pass_pair_prefetch, "how many bytes ahead products of pass_pair_rows rows or "
         "more that read two streams per thread fetch each in software (0: by the hardware alone)");
   m.def("pass_pair_prefetch", &pass_pair_prefetch,
