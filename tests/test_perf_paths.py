@@ -552,7 +552,8 @@ def test_one_row_products_read_by_region_give_the_rows_of_a_longer_pass():
         k.set_panel_streams(default)
         k.set_pair_prefetch(default_ahead)
         k.set_pair_l2_prefetch(default_l2)
-    assert default == 2 and (default_ahead, default_l2) in ((0, 0), (1536, 3072))  # Intel: both; elsewhere neither
+    # Intel: both; the Zen 3: 1 KB into L1 alone; elsewhere neither
+    assert default == 2 and (default_ahead, default_l2) in ((0, 0), (1536, 3072), (1024, 0))
     # the bandwidth reference reads the same ways, and is a sum every way
     t = torch.randn(1_000_003, generator=gen)
     exact = float(t[:t.numel() // 32 * 32].double().sum())

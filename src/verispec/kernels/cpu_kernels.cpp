@@ -236,15 +236,18 @@ inline int64_t pass_stream_prefetch() { return g_pass_stream_prefetch.load(std::
 void set_pass_stream_prefetch(int64_t bytes) { store_distance(g_pass_stream_prefetch, bytes); }
 
 // How far ahead each of a one-row product's two streams per thread is fetched in software,
-// unless `set_pair_prefetch` changes it: on Intel processors 1.5 KB, elsewhere 0 (the
-// hardware prefetcher alone). On the Intel Xeon these kernels were measured on, 1.5 KB ahead
-// took the 1.5B's one-row steps from 37.1 to 33.5 ms in int4 and from 122 to 99 ms in
-// bfloat16, near the best distance in every format; on an AMD EPYC (Zen 4), fetching two
-// streams in software read less than the hardware alone (benchmarks/pair_prefetch.py
-// compares distances).
+// unless `set_pair_prefetch` changes it: on Intel processors 1.5 KB, on the Zen 3 1 KB,
+// elsewhere 0 (the hardware prefetcher alone). On the Intel Xeon these kernels were measured
+// on, 1.5 KB ahead took the 1.5B's one-row steps from 37.1 to 33.5 ms in int4 and from 122 to
+// 99 ms in bfloat16, near the best distance in every format; on an AMD EPYC (Zen 4), fetching
+// two streams in software read less than the hardware alone, and on the Zen 5 it gained
+// nothing consistent. On the Zen 3, 1 KB ahead took int4 steps to 0.90-0.94x the time of the
+// hardware alone, bfloat16 0.85-1.01x, int8 0.91-1.03x, float32 0.99-1.02x in four runs
+// (benchmarks/pair_prefetch.py compares distances; NOTES.md, "The Zen 3 a fifth time").
 int64_t default_pair_prefetch() {
   __builtin_cpu_init();  // this runs among the static initialisers
-  return __builtin_cpu_is("intel") ? 1536 : 0;
+  if (__builtin_cpu_is("intel")) return 1536;
+  return is_zen3() ? 1024 : 0;
 }
 std::atomic<int64_t> g_pair_prefetch{default_pair_prefetch()};
 inline int64_t pair_prefetch() { return g_pair_prefetch.load(std::memory_order_relaxed); }
