@@ -225,8 +225,8 @@ def test_attention_reads_a_groups_keys_once_with_the_same_bits_as_head_by_head(h
 
 
 def _check_attention(k, hq: int, hkv: int) -> None:
-    """Both ways the cache is read: fetched by the hardware alone (AMD's default; with AVX2 a
-    few chains then go key by key) and fetched ahead in software (Intel's)."""
+    """Both ways the cache is read: fetched by the hardware alone (AMD's default; a few chains
+    then go key by key) and fetched ahead in software (Intel's)."""
     default_ahead = k.attention_prefetch()
     try:
         for ahead in (0, 1536):

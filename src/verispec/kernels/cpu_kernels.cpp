@@ -2189,12 +2189,12 @@ void attend_chains(const float* q, int64_t rows, int64_t heads, const T* keys, c
   const int64_t first = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
   float best[kMaxChains];
   for (int c = 0; c < C; ++c) best[c] = -INFINITY;
-  // With AVX2 and the hardware alone fetching (AMD processors), a few chains (a plain step's)
-  // read faster key by key than in tiles of keys: one position's attention took 0.58-0.79x the
-  // time on the Zen 3 (benchmarks/NOTES.md, "The Zen 3 a fourth time"); not measured with
-  // AVX-512. Chosen here, not inside score_together, which GCC then compiled otherwise, the
-  // tiles of passes slower.
-  if (kLanes == 8 && C > 1 && C <= 8 && attention_prefetch() == 0)
+  // With the hardware alone fetching (AMD processors), a few chains (a plain step's) read
+  // faster key by key than in tiles of keys: one position's attention took 0.58-0.79x the time
+  // on the Zen 3 with AVX2 (benchmarks/NOTES.md, "The Zen 3 a fourth time") and 0.68-0.85x on
+  // the Zen 4 with AVX-512 ("The Zen 4 a seventh time"). Chosen here, not inside
+  // score_together, which GCC then compiled otherwise, the tiles of passes slower.
+  if (C > 1 && C <= 8 && attention_prefetch() == 0)
     with_rows<8>(C, [&](auto chains) {
       score_key_by_key<T, decltype(chains)::value>(q, keys, d, first, pos0, scale, scores, stride, best);
     });
