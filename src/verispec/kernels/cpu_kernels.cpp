@@ -307,18 +307,23 @@ inline int64_t pass_pair_prefetch() { return g_pass_pair_prefetch.load(std::memo
 void set_pass_pair_prefetch(int64_t bytes) { store_distance(g_pass_pair_prefetch, bytes); }
 // How far ahead integer passes of kPassPairRows rows or more that read pairs in one tile (5 to
 // kPairRows rows) also fetch each stream into L2, unless `set_pass_pair_l2_prefetch` changes
-// it: on processors with AMX 0 (not at all), elsewhere as far as one-row products, whatever
-// `set_pair_l2_prefetch` makes that (-1 below). On the Xeon with AMX, int8 passes over 5
+// it: on processors with AMX 0 (not at all), on the Zen 4 3 KB, elsewhere as far as one-row
+// products, whatever `set_pair_l2_prefetch` makes that (-1 below). On the Xeon with AMX, int8 passes over 5
 // positions took 0.963x the time without it (three runs: 0.963-0.966x), int4's
 // 0.984-0.989x, while passes over 3 positions took 1.017x (int8) and 1.003x (int4), so those
 // keep it; on the Xeon without AMX passes over 5 positions took 1.01x (int8) and 1.02x (int4)
 // without it (benchmarks/stack_ab.py --patch
 // variants/l2_fetch_only_in_one_row_products.patch; NOTES.md, "The Xeon with AMX a
 // fourteenth time"). What differs between the two is not known; AMX is only what tells them
-// apart, where a virtual machine's model number does not.
+// apart, where a virtual machine's model number does not. On the Zen 4, whose one-row
+// products fetch nothing into L2, 3 KB: without it int4 passes over 5 / 6 positions took
+// 1.07x / 1.04x the time, int8's 1.02-1.10x / 1.04x, over 7 and 8 positions 0.97-1.04x
+// (benchmarks/pair_prefetch.py --knob pass-pair-l2 --positions M; NOTES.md, "The Zen 4 a
+// seventh time").
 int64_t default_pass_pair_l2_prefetch() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("amx-tile") ? 0 : -1;
+  if (__builtin_cpu_supports("amx-tile")) return 0;
+  return is_zen4() ? 3072 : -1;
 }
 std::atomic<int64_t> g_pass_pair_l2_prefetch{default_pass_pair_l2_prefetch()};
 inline int64_t pass_pair_l2_prefetch() {
