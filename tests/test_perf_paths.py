@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -633,7 +632,7 @@ def test_the_built_pair_tiles_fetch_their_streams_into_l1_and_l2():
 
 
 @needs_kernels
-def test_passes_read_as_pairs_of_panels_give_the_rows_of_single_steps():
+def test_passes_read_as_pairs_of_panels_give_the_rows_of_single_steps(monkeypatch):
     """Passes of up to pair_rows(kind) rows (as many as the format reads as pairs) read two
     panels at a time, each thread's region as two streams (111 panels: an odd one out); float
     passes of more rows than one tile holds go through blocks of the panels in groups of rows.
@@ -680,9 +679,12 @@ def test_passes_read_as_pairs_of_panels_give_the_rows_of_single_steps():
     assert default_ahead == (k.pair_prefetch() or 1024)  # Intel: as one-row products; elsewhere 1 KB
     # with AMX (the Xeon whose passes read faster without it) none; on the Zen 4 3 KB; elsewhere as far as one-row
     # products, even when those are set apart
-    cpuinfo = Path("/proc/cpuinfo").read_text()
-    amx = "amx_tile" in cpuinfo.split()
-    zen4 = "AuthenticAMD" in cpuinfo and re.search(r"^cpu family\s*:\s*25$", cpuinfo, re.M) and "avx512f" in cpuinfo
+    import importlib
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    cpu = importlib.import_module("perf_common").processor()
+    amx = "amx_tile" in cpu["flags"]
+    zen4 = cpu["vendor"] == "AuthenticAMD" and cpu["family"] == "25" and "avx512f" in cpu["flags"]
     expected = (0, 0) if amx else (3072, 3072) if zen4 else (default_l2, 1024)
     assert (default_pass_l2, pass_l2_after_one_row_l2_set) == expected
     # 16-bit float lines hold twice a float32 line's inputs: their passes fetch as passes from 3 rows
