@@ -205,6 +205,12 @@ std::atomic<int64_t> g_stream_prefetch{20 * 1024};
 inline int64_t stream_prefetch() { return g_stream_prefetch.load(std::memory_order_relaxed); }
 void set_stream_prefetch(int64_t bytes) { store_distance(g_stream_prefetch, bytes); }
 
+// An Intel processor: its cores fetch their weights, and attention its cache, in software.
+bool is_intel() {
+  __builtin_cpu_init();  // this runs among the static initialisers
+  return __builtin_cpu_is("intel");
+}
+
 // An AMD family 19h core with AVX-512: the Zen 4 (the Zen 3 is family 19h without it).
 bool is_zen4() {
   __builtin_cpu_init();  // this runs among the static initialisers
@@ -245,8 +251,7 @@ void set_pass_stream_prefetch(int64_t bytes) { store_distance(g_pass_stream_pref
 // hardware alone, bfloat16 0.85-1.01x, int8 0.91-1.03x, float32 0.99-1.02x in four runs
 // (benchmarks/pair_prefetch.py compares distances; NOTES.md, "The Zen 3 a fifth time").
 int64_t default_pair_prefetch() {
-  __builtin_cpu_init();  // this runs among the static initialisers
-  if (__builtin_cpu_is("intel")) return 1536;
+  if (is_intel()) return 1536;
   return is_zen3() ? 1024 : 0;
 }
 std::atomic<int64_t> g_pair_prefetch{default_pair_prefetch()};
@@ -258,8 +263,7 @@ void set_pair_prefetch(int64_t bytes) { store_distance(g_pair_prefetch, bytes); 
 // elsewhere 0 (the hardware prefetcher alone), measured as attention (benchmarks/attention.py),
 // apart from how far the products fetch their weights.
 int64_t default_attention_prefetch() {
-  __builtin_cpu_init();
-  return __builtin_cpu_is("intel") ? 1536 : 0;
+  return is_intel() ? 1536 : 0;
 }
 std::atomic<int64_t> g_attention_prefetch{default_attention_prefetch()};
 inline int64_t attention_prefetch() { return g_attention_prefetch.load(std::memory_order_relaxed); }
@@ -278,8 +282,7 @@ void set_attention_prefetch(int64_t bytes) { store_distance(g_attention_prefetch
 // time"); over 9 positions int4 1.03x (its pairs read in blocks), bfloat16 1.05x, int8 and
 // float32 within 1%. Integer passes of 5 to 8 rows in one tile take pass_pair_l2_prefetch().
 int64_t default_pair_l2_prefetch() {
-  __builtin_cpu_init();
-  return __builtin_cpu_is("intel") ? 3072 : 0;
+  return is_intel() ? 3072 : 0;
 }
 std::atomic<int64_t> g_pair_l2_prefetch{default_pair_l2_prefetch()};
 inline int64_t pair_l2_prefetch() { return g_pair_l2_prefetch.load(std::memory_order_relaxed); }
@@ -299,8 +302,7 @@ void set_pair_l2_prefetch(int64_t bytes) { store_distance(g_pair_l2_prefetch, by
 // time"); float16 panels, which convert as much per line, follow bfloat16 unmeasured.
 constexpr int64_t kPassPairRows = 5;
 int64_t default_pass_pair_prefetch() {
-  __builtin_cpu_init();
-  return __builtin_cpu_is("intel") ? default_pair_prefetch() : 1024;
+  return is_intel() ? default_pair_prefetch() : 1024;
 }
 std::atomic<int64_t> g_pass_pair_prefetch{default_pass_pair_prefetch()};
 inline int64_t pass_pair_prefetch() { return g_pass_pair_prefetch.load(std::memory_order_relaxed); }
@@ -498,8 +500,7 @@ void read_region_start(const RegionStart& start, int64_t region) {
 // to 8 rows, floats up to 3. The other AMD processors are unmeasured and stay at 1.
 enum class PanelKind { integer, floating };
 int64_t default_pair_rows(PanelKind kind) {
-  __builtin_cpu_init();
-  if (__builtin_cpu_is("intel")) return 16;
+  if (is_intel()) return 16;
   if (!is_zen4()) return 1;
   return kind == PanelKind::integer ? 8 : 3;
 }
