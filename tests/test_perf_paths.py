@@ -1521,6 +1521,24 @@ def test_draft_vocab_compares_each_limit_with_and_without_the_contexts_ids(folde
     assert only < context <= whole == 1.0
 
 
+def test_missed_draft_ids_counts_what_a_limited_draft_could_not_propose(monkeypatch):
+    """benchmarks/missed_draft_ids.py: an answer's token above the limit is missed only where
+    neither the prompt, the answer before it nor the standing marks hold it; over all prompts it
+    counts distinct ids, those another prompt misses too, and what larger limits would hold."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    missed_draft_ids = importlib.import_module("missed_draft_ids")
+    above, missed = missed_draft_ids.misses_of([1, 2, 100], [5, 100, 200, 200, 300, 60], 50, {300})
+    assert (above, missed) == (5, [200, 60])
+    found = {"a": [{"prompt_ids": [1], "answer_ids": [200, 70]}, {"prompt_ids": [70], "answer_ids": [70, 200]}],
+             "b": [{"prompt_ids": [1], "answer_ids": [3, 90, 90]}]}
+    summary = missed_draft_ids.summarise(found, 50, set(), [80, 100], str)
+    assert summary["categories"]["a"] == {"tokens": 4, "above": 4, "missed": 3, "most_missed": [["200", 2], ["70", 1]]}
+    assert (summary["tokens"], summary["missed"], summary["distinct"], summary["recurring"]) == (7, 4, 3, 2)
+    assert summary["recurring_ids"] == [["200", 2, 2]] and summary["within"] == {"80": 1, "100": 2}
+
+
 def test_draft_vocab_audits_sampled_runs_by_their_distribution(folder, monkeypatch):
     """benchmarks/draft_vocab.py --temperature: runs sample, and each way's tokens (the plain runs'
     too) are tested against the target's distribution instead of compared token for token."""
