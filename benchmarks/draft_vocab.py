@@ -105,6 +105,7 @@ def main() -> int:
     parser.add_argument("--limits", type=int, nargs="+", default=[32768, 65536])
     parser.add_argument("--gamma", type=int, default=5)
     parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
+    parser.add_argument("--skip", type=int, default=0, help="leave out each category's first prompts")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--adaptive", action="store_true", help="speculative runs with --adaptive (cost-aware γ)")
     parser.add_argument("--temperature", type=float, default=0.0,
@@ -119,17 +120,19 @@ def main() -> int:
     from verispec.lab.prompts import load_prompts
 
     details = f"{'--adaptive, ' if args.adaptive else ''}γ = {args.gamma}, {args.tokens} tokens"
+    if args.skip:
+        details += f", each category's first {args.skip} prompts left out"
     if args.temperature > 0:
         details += f", sampled at temperature {args.temperature} (seed {args.seed} + prompt)"
     target, draft, record = load_pair(args, "draft vocabulary", details)
-    record.update(gamma=args.gamma, tokens=args.tokens, adaptive=args.adaptive, temperature=args.temperature,
+    record.update(gamma=args.gamma, tokens=args.tokens, skip=args.skip, adaptive=args.adaptive, temperature=args.temperature,
                   seed=args.seed, categories={})
     ways = ways_of(args.limits, alone=not args.with_context_only, without_markdown=args.without_markdown)
     if args.categories == ["all"]:
         args.categories = spec_bench_categories()
     all_valid, ratios = True, {}
     for category in args.categories:
-        prompts = load_prompts(f"spec-bench:{category}", limit=args.prompts)
+        prompts = load_prompts(f"spec-bench:{category}", limit=args.skip + args.prompts)[args.skip:]
         results = compare(target, draft, prompts, ways, args.gamma, args.tokens, args.adaptive,
                           args.temperature, args.seed)
         record["categories"][category] = results
@@ -147,7 +150,7 @@ def main() -> int:
             print(f"  {category:>15} {label:>34}: speed-up {r['speedup']:.2f}x, acceptance {r['acceptance']:.1%}, "
                   f"c = {r['c']:.3f}, {'VALID' if r['valid'] else 'INVALID'}{audit}{gain}")
     history = {"gamma": args.gamma, "adaptive": args.adaptive, "temperature": args.temperature,
-               "prompts": args.prompts, "all_valid": all_valid,
+               "prompts": args.prompts, "skip": args.skip, "all_valid": all_valid,
                "ratio_to_whole": {way: r for way, r in ratios.items() if way != "whole"}}
     name = "draft_vocab_adaptive" if args.adaptive else "draft_vocab"
     save(name + ("_sampled" if args.temperature > 0 else ""), record, history)
