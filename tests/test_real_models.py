@@ -154,6 +154,26 @@ def test_a_draft_limited_to_the_first_ids_proposes_the_prompts_own_words(real_pa
     assert runs[True].spec.acceptance_rate > runs[False].spec.acceptance_rate
 
 
+def test_a_limited_draft_proposes_latex_before_the_answer_has_it(real_pair):
+    """\\frac lies above the 0.5B's first 32,768 ids and not in this prompt: with Markdown's
+    marks, its math's included, the limited draft proposes the answer's first \\frac, which
+    without them only the target can choose; either way the output is the target's."""
+    from verispec.spec.draft_model import DraftModelProposer
+
+    target, draft = real_pair
+    ids = target.tokenizer.encode_chat([{"role": "user", "content": "What is 3/4 + 1/6? Answer with a LaTeX fraction."}])
+    frac = target.tokenizer.encode("\\frac", add_special_tokens=False)[-1]
+    assert frac >= 32768 and frac not in ids
+    plain = generate(target, ids, max_tokens=24)
+    assert frac in plain.token_ids
+    runs = {marks: generate(target, ids, max_tokens=24, gamma=4,
+                            draft=DraftModelProposer(draft, vocab_limit=32768, markdown=marks))
+            for marks in (False, True)}
+    first = {marks: r.origins[r.token_ids.index(frac)] for marks, r in runs.items()}
+    assert runs[False].token_ids == runs[True].token_ids == plain.token_ids
+    assert first[False] != "draft" and first[True] == "draft"
+
+
 def test_the_coder_fills_in_a_function_body_and_speculation_keeps_it(real_pair):
     """The 1.5B writes the gap between a signature and a call and ends the middle itself;
     the 0.5B draft's speculation gives the same tokens."""

@@ -14,12 +14,19 @@ AUTO_DRAFT_VOCAB = 32768  # the first ids "auto" keeps, for a vocabulary of more
 MARKDOWN_SAMPLE = ("Here is the code:\n\n```python\ndef f(x):\n    return x\n```\n\n"
                    "1. Run it:\n   ```bash\n   python f.py\n   ```\n2. **Note:** `f` returns *x*.\n"
                    "```json\n{}\n```\n```javascript\n```\n```cpp\n```\n```java\n```\n```sql\n```\n"
-                   "### Example\n- item\n> quote\n\n| a | b |\n|---|---|\n| 1 | 2 |\n")
+                   "### Example\n- item\n> quote\n\n| a | b |\n|---|---|\n| 1 | 2 |\n"
+                   "1. **Step**: first\n")
+# and the LaTeX that answers write their math in: \frac, \[ and \boxed lie above the first
+# 32,768 ids too, and with a list item's "**:" were the marks that answers to more than one
+# Spec-Bench prompt needed before their context had them (benchmarks/missed_draft_ids.py)
+MATH_SAMPLE = ("\\[\n\\frac{a}{b} = \\boxed{c}\n\\]\n\\[ \\frac{x}{y} \\]\n"
+               "so \\( x \\cdot y \\approx z \\)\n")
 
 
 def markdown_ids(tokenizer) -> list[int]:
-    """The ids of Markdown's marks in `tokenizer`'s vocabulary, as MARKDOWN_SAMPLE spells them."""
-    return list(dict.fromkeys(tokenizer.encode(MARKDOWN_SAMPLE, add_special_tokens=False)))
+    """The ids of Markdown's marks in `tokenizer`'s vocabulary, its math's included, as
+    MARKDOWN_SAMPLE and MATH_SAMPLE spell them."""
+    return list(dict.fromkeys(tokenizer.encode(MARKDOWN_SAMPLE + MATH_SAMPLE, add_special_tokens=False)))
 
 
 def draft_vocab_limit(choice: int | str | None, vocab_size: int) -> int | None:
@@ -79,8 +86,8 @@ class DraftModelProposer:
     with `context_ids` the draft may propose every id of the context too: the output
     layer's rows of those ids (at most MAX_CONTEXT_IDS of them) are gathered once and
     multiplied apart, a few hundred rows where the limit saves a hundred thousand. So may it
-    propose Markdown's marks (`markdown`), which a chat answer uses before its context has
-    them: the first code fence of an answer, say.
+    propose Markdown's marks, its math's LaTeX included (`markdown`), which a chat answer uses
+    before its context has them: the first code fence or \\frac of an answer, say.
     Verification stays exact whatever the draft proposes (under sampling, the draft's
     distribution is zero on the ids it cannot propose).
     """
