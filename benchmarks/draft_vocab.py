@@ -13,8 +13,8 @@ acceptance falls. Most such tokens are words of the prompt or of the answer so f
 `--draft-vocab` lets the draft propose too ("and context", with Markdown's marks, which an
 answer uses before its context has them; --without-markdown adds the way without them);
 "first K only" is the limit alone. For each prompt this runs plain decoding, speculative decoding with the whole
-vocabulary and each limit both ways, and plain decoding again, one after the other, so a
-change in machine load hits them alike. Speed-up = plain decoding time / speculative
+vocabulary and each limit both ways (in an order that rotates from prompt to prompt), and
+plain decoding again, one after the other, so a change in machine load hits them alike. Speed-up = plain decoding time / speculative
 decoding time; c = draft seconds per drafted token / target seconds per plain step.
 With --adaptive the speculative runs choose γ as `--adaptive` does (up to --gamma or 16),
 seeing the cheaper draft steps. Every speculative run is audited: its tokens must equal the
@@ -31,7 +31,7 @@ import sys
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 
-from perf_common import (add_pair_arguments, add_pair_runs, load_pair, pair_figures, pair_totals,
+from perf_common import (add_pair_arguments, add_pair_runs, load_pair, pair_figures, pair_totals, rotated,
                          sampled_evidence_of, save)
 from verispec.lab.audit import check_sampled_output, sampled_p_values
 from speedup import spec_bench_categories
@@ -71,10 +71,12 @@ def compare(target, draft, prompts, ways: dict[str, tuple], gamma: int, tokens: 
     for index, prompt in enumerate(prompts):
         sampling = {"temperature": temperature, "seed": seed + index}
         before = run(target, prompt.text, tokens, **sampling)
-        specs = {way: run(target, prompt.text, tokens, gamma=gamma, adaptive="cost" if adaptive else False,
-                          draft=DraftModelProposer(draft, vocab_limit=limit, context_ids=context, markdown=marks),
-                          **sampling)
-                 for way, (limit, context, marks) in ways.items()}
+        specs = {}
+        for way in rotated(list(ways), index):  # each way takes each place in turn: none always runs last
+            limit, context, marks = ways[way]
+            specs[way] = run(target, prompt.text, tokens, gamma=gamma, adaptive="cost" if adaptive else False,
+                             draft=DraftModelProposer(draft, vocab_limit=limit, context_ids=context, markdown=marks),
+                             **sampling)
         after = run(target, prompt.text, tokens, **sampling)
         plain_s = (before.timings.decode_s + after.timings.decode_s) / 2
         if temperature > 0:  # after the timed runs: the audit's passes cost as much as a prefill each

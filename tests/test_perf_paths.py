@@ -1515,7 +1515,12 @@ def test_draft_vocab_compares_each_limit_with_and_without_the_contexts_ids(folde
     plain = generate(target, "the cat sat on the mat.", max_tokens=24, ignore_eos=True)
     limit = sorted(plain.token_ids)[len(plain.token_ids) // 2] + 1
     prompts = [Prompt("cat", "test", "the cat sat on the mat."), Prompt("dog", "test", "a dog ran after the cat")]
+    order, run = [], draft_vocab.run
+    monkeypatch.setattr(draft_vocab, "run", lambda *a, **kw: order.append(
+        (kw["draft"].limited_to, kw["draft"].context_ids) if "draft" in kw else "plain") or run(*a, **kw))
     totals = draft_vocab.compare(target, target, prompts, draft_vocab.ways_of([limit]), gamma=4, tokens=24)
+    assert order[:5] == ["plain", (None, False), (limit, False), (limit, True), "plain"]
+    assert order[5:] == ["plain", (limit, False), (limit, True), (None, False), "plain"]  # the next prompt's turn
     assert all(way["valid"] for way in totals.values())
     whole, only, context = (totals[w]["acceptance"] for w in ("whole", f"{limit} only", f"{limit} and context"))
     assert only < context <= whole == 1.0
