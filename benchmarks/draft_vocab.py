@@ -12,10 +12,11 @@ draft step; where the target picks a token above K the draft cannot have propose
 acceptance falls. Most such tokens are words of the prompt or of the answer so far, which
 `--draft-vocab` lets the draft propose too ("and context", with Markdown's marks, which an
 answer uses before its context has them; --without-markdown adds the way without them);
-"first K only" is the limit alone. For each prompt this runs plain decoding, speculative decoding with the whole
-vocabulary and each limit both ways (in an order that rotates from prompt to prompt), and
-plain decoding again, one after the other, so a change in machine load hits them alike. Speed-up = plain decoding time / speculative
-decoding time; c = draft seconds per drafted token / target seconds per plain step.
+"first K only" is the limit alone. For each prompt this runs plain decoding, speculative
+decoding with the whole vocabulary and each limit both ways (in an order that rotates from
+prompt to prompt), and plain decoding again, one after the other, so a change in machine
+load hits them alike. Speed-up = plain decoding time / speculative decoding time; c = draft
+seconds per drafted token / target seconds per plain step.
 With --adaptive the speculative runs choose γ as `--adaptive` does (up to --gamma or 16),
 seeing the cheaper draft steps. Every speculative run is audited: its tokens must equal the
 plain runs' (VALID). With --temperature the runs sample (seed --seed + the prompt's index),
@@ -127,7 +128,8 @@ def main() -> int:
     if args.temperature > 0:
         details += f", sampled at temperature {args.temperature} (seed {args.seed} + prompt)"
     target, draft, record = load_pair(args, "draft vocabulary", details)
-    record.update(gamma=args.gamma, tokens=args.tokens, skip=args.skip, adaptive=args.adaptive, temperature=args.temperature,
+    record.update(gamma=args.gamma, tokens=args.tokens, skip=args.skip, adaptive=args.adaptive,
+                  temperature=args.temperature,
                   seed=args.seed, categories={})
     ways = ways_of(args.limits, alone=not args.with_context_only, without_markdown=args.without_markdown)
     if args.categories == ["all"]:

@@ -89,9 +89,9 @@ def report(summary: dict) -> None:
     limit = summary["limit"]
     print(f"answer tokens a draft of the first {limit:,} ids, the context's and Markdown's marks could not propose")
     for category, c in summary["categories"].items():
-        share = lambda n: f"{n / max(1, c['tokens']):.1%}"  # noqa: E731
-        print(f"  {category:>15}: {c['tokens']:>5} tokens, {share(c['above'])} above {limit:,}, "
-              f"{share(c['missed'])} missed: {', '.join(repr(text) for text, _ in c['most_missed'])}")
+        tokens = max(1, c["tokens"])
+        print(f"  {category:>15}: {c['tokens']:>5} tokens, {c['above'] / tokens:.1%} above {limit:,}, "
+              f"{c['missed'] / tokens:.1%} missed: {', '.join(repr(text) for text, _ in c['most_missed'])}")
     missed = max(1, summary["missed"])
     print(f"  all: {summary['missed']} missed of {summary['tokens']} tokens "
           f"({summary['missed'] / max(1, summary['tokens']):.1%}), {summary['distinct']} distinct ids; "
@@ -137,8 +137,8 @@ def main() -> int:
               "tokens": args.tokens, "summary": summary,
               "answers": {category: [{key: " ".join(map(str, ids)) for key, ids in row.items()} for row in rows]
                           for category, rows in found.items()}}  # ids as text: one line per answer
-    save("missed_draft_ids", record, {key: summary[key] for key in ("limit", "tokens", "missed", "distinct", "recurring")}
-         | {"prompts": args.prompts, "skip": args.skip})
+    history = {key: summary[key] for key in ("limit", "tokens", "missed", "distinct", "recurring")}
+    save("missed_draft_ids", record, {**history, "prompts": args.prompts, "skip": args.skip})
     return 0
 
 

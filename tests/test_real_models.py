@@ -161,7 +161,8 @@ def test_a_limited_draft_proposes_latex_before_the_answer_has_it(real_pair):
     from verispec.spec.draft_model import DraftModelProposer
 
     target, draft = real_pair
-    ids = target.tokenizer.encode_chat([{"role": "user", "content": "What is 3/4 + 1/6? Answer with a LaTeX fraction."}])
+    question = "What is 3/4 + 1/6? Answer with a LaTeX fraction."
+    ids = target.tokenizer.encode_chat([{"role": "user", "content": question}])
     frac = target.tokenizer.encode("\\frac", add_special_tokens=False)[-1]
     assert frac >= 32768 and frac not in ids
     plain = generate(target, ids, max_tokens=24)
