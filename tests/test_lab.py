@@ -279,7 +279,7 @@ def sampled_bench(loaded, proposer: str) -> list[dict]:
     return runner.run("tiny-prompts", tiny_prompts(), bench.spec_configs([proposer], [4]))
 
 
-def test_sampled_runs_are_checked_against_the_target_distribution(loaded):
+def test_sampled_runs_are_checked_against_the_target_distribution(loaded, clock):
     records = sampled_bench(loaded, "other")
     assert all(r["audit"]["output"]["status"] == audit.VALID and "KS p" in r["audit"]["output"]["reason"]
                and len(r["sampled"]["u"]) == r["completion_tokens"] for r in records)  # the baselines too
@@ -291,7 +291,7 @@ def test_sampled_runs_are_checked_against_the_target_distribution(loaded):
     assert row.verdict.status == audit.VALID and "follow the target's distribution" in row.verdict.reason
 
 
-def test_sampled_lookup_runs_are_checked_for_a_lean_towards_lookup(loaded, monkeypatch):
+def test_sampled_lookup_runs_are_checked_for_a_lean_towards_lookup(loaded, clock, monkeypatch):
     """Prompt lookup's runs get the test for a lean too; a verifier that keeps every lookup draft
     is refused."""
     from verispec import generate as engine
@@ -313,7 +313,7 @@ def test_sampled_lookup_runs_are_checked_for_a_lean_towards_lookup(loaded, monke
     assert report.summarize(sampled_bench(loaded, "ngram"))[0].verdict.status == audit.INVALID
 
 
-def test_injected_sampling_that_keeps_every_draft_is_invalid(loaded, monkeypatch):
+def test_injected_sampling_that_keeps_every_draft_is_invalid(loaded, clock, monkeypatch):
     """A verifier that keeps every draft emits the draft's distribution, not the target's."""
     from verispec import generate as engine
     from verispec.sampling import next_token
@@ -362,7 +362,7 @@ def test_bench_records_are_complete_and_outputs_match(loaded):
     assert all(r["spec"]["accepted"] == 0 for r in by_proposer["synthetic:0"])
 
 
-def test_injected_output_mismatch_is_invalid(loaded, monkeypatch):
+def test_injected_output_mismatch_is_invalid(loaded, clock, monkeypatch):
     from verispec import generate as engine
     from verispec.spec.verifier import Verdict
 
