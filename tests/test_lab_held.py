@@ -117,7 +117,7 @@ def test_a_jsonl_prompt_with_a_suffix_is_one_to_fill_in(tmp_path):
 # ---------------------------------------------------------------- bench
 
 
-def test_held_runs_keep_to_their_structure_and_to_the_targets_output(loaded):
+def test_held_runs_keep_to_their_structure_and_to_the_targets_output(loaded, clock):
     records = run(loaded, ["same", "ngram"], prompts("the cat", "abab"), regex=PATTERN)
     assert len(records) == 6
     tokenizer = loaded["target"].tokenizer
@@ -206,7 +206,7 @@ def test_sampled_held_runs_are_tested_against_the_held_distribution(loaded):
     assert evidence.impossible == 1  # the held target never gives it
 
 
-def test_runs_held_to_a_grammar_are_audited_and_keyed_by_it(loaded):
+def test_runs_held_to_a_grammar_are_audited_and_keyed_by_it(loaded, clock):
     records = run(loaded, ["same", "ngram"], prompts("the cat"), grammar=GRAMMAR)
     assert len(records) == 3
     for r in records:
@@ -234,7 +234,7 @@ def test_a_bad_structure_is_refused_before_any_run(loaded):
             bench.Bench(loaded["target"], settings(**overrides), label="tiny")
 
 
-def test_bench_fills_in_the_middle_as_generate_does(loaded):
+def test_bench_fills_in_the_middle_as_generate_does(loaded, clock):
     from verispec.generate import generate
 
     coder = loaded["coder"]
@@ -276,7 +276,7 @@ def test_a_sweep_takes_a_structure_and_refuses_a_bad_one():
         sweep.sweep_config_from_dict({**base, "regex": "("})
 
 
-def test_bench_command_holds_outputs_to_a_schema(folders, loaded, tmp_path, capsys, monkeypatch):
+def test_bench_command_holds_outputs_to_a_schema(folders, loaded, tmp_path, capsys, monkeypatch, clock):
     monkeypatch.setenv("COLUMNS", "200")
     lines = tmp_path / "prompts.txt"
     lines.write_text("the cat\nabab\n")
