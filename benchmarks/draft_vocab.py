@@ -32,8 +32,8 @@ import sys
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 
-from perf_common import (add_pair_arguments, add_pair_runs, load_pair, pair_figures, pair_totals, rotated,
-                         sampled_evidence_of, save)
+from perf_common import (add_pair_arguments, add_pair_runs, category_prompts, load_pair, pair_figures, pair_totals,
+                         rotated, sampled_evidence_of, save)
 from verispec.lab.audit import check_sampled_output, sampled_p_values
 from speedup import spec_bench_categories
 
@@ -120,8 +120,6 @@ def main() -> int:
                         help="also each limit and the context's ids without Markdown's marks")
     args = parser.parse_args()
 
-    from verispec.lab.prompts import load_prompts
-
     details = f"{'--adaptive, ' if args.adaptive else ''}γ = {args.gamma}, {args.tokens} tokens"
     if args.skip:
         details += f", each category's first {args.skip} prompts left out"
@@ -129,14 +127,13 @@ def main() -> int:
         details += f", sampled at temperature {args.temperature} (seed {args.seed} + prompt)"
     target, draft, record = load_pair(args, "draft vocabulary", details)
     record.update(gamma=args.gamma, tokens=args.tokens, skip=args.skip, adaptive=args.adaptive,
-                  temperature=args.temperature,
-                  seed=args.seed, categories={})
+                  temperature=args.temperature, seed=args.seed, categories={})
     ways = ways_of(args.limits, alone=not args.with_context_only, without_markdown=args.without_markdown)
     if args.categories == ["all"]:
         args.categories = spec_bench_categories()
     all_valid, ratios = True, {}
     for category in args.categories:
-        prompts = load_prompts(f"spec-bench:{category}", limit=args.skip + args.prompts)[args.skip:]
+        prompts = category_prompts(category, args.prompts, args.skip)
         results = compare(target, draft, prompts, ways, args.gamma, args.tokens, args.adaptive,
                           args.temperature, args.seed)
         record["categories"][category] = results

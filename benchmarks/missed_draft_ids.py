@@ -25,18 +25,17 @@ from pathlib import Path
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 
-from perf_common import save
+from perf_common import category_prompts, save
 from speedup import spec_bench_categories
 
 
 def answers(target, categories: list[str], prompts: int, skip: int, tokens: int) -> dict[str, list[dict]]:
     """Per category, each prompt's ids and its plain greedy answer's ids."""
     from verispec.generate import encode_prompt, generate
-    from verispec.lab.prompts import load_prompts
 
     found = {}
     for category in categories:
-        chosen = load_prompts(f"spec-bench:{category}", limit=skip + prompts)[skip:]
+        chosen = category_prompts(category, prompts, skip)
         found[category] = [{"prompt_ids": encode_prompt(target.tokenizer, p.text, True),
                             "answer_ids": generate(target, p.text, chat=True, max_tokens=tokens).token_ids}
                            for p in chosen]

@@ -188,6 +188,14 @@ def add_pair_arguments(parser, weights_help: str | None = None) -> None:
     parser.add_argument("--draft-weights", default="int4")
 
 
+def category_prompts(category: str, count: int, skip: int = 0) -> list:
+    """A Spec-Bench category's prompts `skip` to `skip + count`: the first ones left out, so that a
+    change chosen on them can be checked on the next."""
+    from verispec.lab.prompts import load_prompts
+
+    return load_prompts(f"spec-bench:{category}", limit=skip + count)[skip:]
+
+
 def add_category_arguments(parser, categories: list[str]) -> None:
     """--categories (Spec-Bench's), --gamma, --prompts (per category) and --tokens."""
     parser.add_argument("--categories", nargs="+", default=categories)

@@ -1516,8 +1516,13 @@ def test_draft_vocab_compares_each_limit_with_and_without_the_contexts_ids(folde
     limit = sorted(plain.token_ids)[len(plain.token_ids) // 2] + 1
     prompts = [Prompt("cat", "test", "the cat sat on the mat."), Prompt("dog", "test", "a dog ran after the cat")]
     order, run = [], draft_vocab.run
-    monkeypatch.setattr(draft_vocab, "run", lambda *a, **kw: order.append(
-        (kw["draft"].limited_to, kw["draft"].context_ids) if "draft" in kw else "plain") or run(*a, **kw))
+
+    def recorded_run(*args, **options):
+        draft = options.get("draft")
+        order.append("plain" if draft is None else (draft.limited_to, draft.context_ids))
+        return run(*args, **options)
+
+    monkeypatch.setattr(draft_vocab, "run", recorded_run)
     totals = draft_vocab.compare(target, target, prompts, draft_vocab.ways_of([limit]), gamma=4, tokens=24)
     assert order[:5] == ["plain", (None, False), (limit, False), (limit, True), "plain"]
     assert order[5:] == ["plain", (limit, False), (limit, True), (None, False), "plain"]  # the next prompt's turn
