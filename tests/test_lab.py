@@ -608,7 +608,7 @@ def test_sweep_drafts_in_each_targets_format_unless_told(models, prompt_file, tm
     assert drafted == [("float32", "int4"), ("int8", "int4")]
 
 
-def test_sweep_lookup_both_ways_runs_each_adaptive_draft_model_configuration_twice(models, tmp_path):
+def test_sweep_lookup_both_ways_runs_each_adaptive_draft_model_configuration_twice(models, tmp_path, clock):
     """`lookup: [true, false]` doubles only the configurations it means something to: the draft
     model's under the cost-aware schedule, not prompt lookup's own nor a fixed γ."""
     prompts = tmp_path / "repeating.txt"
