@@ -772,7 +772,7 @@ def test_generate_scores_a_prompt_with_no_tokens(models, capsys):
     assert code == 1 and "--prompt-logprobs is reported in the JSON output: add --json" in out
 
 
-def test_generate_no_lookup_keeps_adaptive_rounds_to_the_draft_model(models, capsys):
+def test_generate_no_lookup_keeps_adaptive_rounds_to_the_draft_model(models, capsys, clock):
     """--adaptive with a draft model sends prompt lookup's drafts where a repeating text has
     them; --no-lookup leaves them out. The tokens are the same either way."""
     argv = ["generate", "--model", models / "target", "--draft", models / "same", "--adaptive", "-n", "40",
