@@ -9,12 +9,14 @@ more than its last READY_LAG positions (verispec.generate). Its first probe ther
 pass of the draft over up to READY_LAG positions and a couple of draft steps: little against
 a long answer, several percent of a short one. Reading less makes the probe cheaper but lets
 the draft see less of the question. For each prompt: a plain run, one --adaptive run per
-lag, another plain run (load drift hits both sides alike); every --adaptive output must
+lag (their order moving from prompt to prompt), another plain run (load drift hits both
+sides alike); every --adaptive output must
 equal the plain output. Per category and lag: plain seconds / adaptive seconds, and the
 drafted and accepted tokens.
 
 With --draft-side, only the draft's part of a first probe (reading the last READY_LAG
-positions, then γ = 2 drafts) is timed, on each prompt in turn two ways: as the engine does it,
+positions, then γ = 2 drafts) is timed, on each prompt in turn two ways (which first
+alternating from round to round): as the engine does it,
 the pass that reads the context giving the first draft too, and `apart`, that pass stopping a
 token short and the first draft step reading the last token on its own, as the engine did
 before. Both must give the same drafts.
@@ -29,7 +31,7 @@ import time
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 
-from perf_common import add_pair_arguments, load_pair, save, verdict
+from perf_common import add_pair_arguments, in_turns, load_pair, rotated, save, verdict
 
 
 def draft_side(draft, prompts, rounds: int, lag: int) -> dict:
@@ -45,9 +47,10 @@ def draft_side(draft, prompts, rounds: int, lag: int) -> dict:
     same = True
     for prompt in prompts:
         context = encode_prompt(draft.tokenizer, prompt.text, True)
-        for _ in range(rounds):
+        for index in range(rounds):
             drafts = {}
-            for way, kind in ways.items():
+            for way in rotated(list(ways), index):
+                kind = ways[way]
                 proposer = kind(DraftModelProposer(draft))
                 proposer.start(context, len(context) + 8, prefill=False)
                 started = time.perf_counter()
@@ -78,40 +81,47 @@ def main() -> int:
     from verispec.lab.prompts import load_prompts
 
     target, draft, record = load_pair(args, "--adaptive's first probe", f"{args.tokens} tokens")
-    default_lag = generation.READY_LAG
-    record.update(tokens=args.tokens, default_lag=default_lag, categories={})
-    try:
-        for category in args.categories:
-            totals = {lag: {"plain_s": 0.0, "adaptive_s": 0.0, "drafted": 0, "accepted": 0, "valid": True}
-                      for lag in args.lags}
-            for prompt in load_prompts(f"spec-bench:{category}", limit=args.prompts):
-                options = dict(chat=True, max_tokens=args.tokens)
-                before = generation.generate(target, prompt.text, **options)
-                runs = {}
-                for lag in args.lags:
-                    generation.READY_LAG = lag
-                    runs[lag] = generation.generate(target, prompt.text, draft=draft, gamma=args.gamma,
-                                                    adaptive="cost", **options)
-                generation.READY_LAG = default_lag
-                after = generation.generate(target, prompt.text, **options)
-                plain_s = (before.timings.decode_s + after.timings.decode_s) / 2
-                for lag, run in runs.items():
-                    entry = totals[lag]
-                    entry["plain_s"] += plain_s
-                    entry["adaptive_s"] += run.timings.decode_s
-                    entry["drafted"] += run.spec.drafted
-                    entry["accepted"] += run.spec.accepted
-                    entry["valid"] &= run.token_ids == before.token_ids == after.token_ids
-            for lag, entry in totals.items():
-                entry["ratio"] = entry["plain_s"] / entry["adaptive_s"]
-                print(verdict(f"{category}, the draft reading {lag} positions before its first probe",
-                              f"{entry['ratio']:.3f}x of plain, {entry['accepted']}/{entry['drafted']} drafts kept, "
-                              f"{'VALID' if entry['valid'] else 'INVALID'}", None))
-            record["categories"][category] = {str(lag): entry for lag, entry in totals.items()}
-    finally:
-        generation.READY_LAG = default_lag
+    record.update(tokens=args.tokens, default_lag=generation.READY_LAG, categories={})
+    for category in args.categories:
+        totals = {lag: {"plain_s": 0.0, "adaptive_s": 0.0, "drafted": 0, "accepted": 0, "valid": True}
+                  for lag in args.lags}
+        for index, prompt in enumerate(load_prompts(f"spec-bench:{category}", limit=args.prompts)):
+            before, runs, after = lag_runs(target, draft, prompt.text, args.lags, index, args.gamma,
+                                           chat=True, max_tokens=args.tokens)
+            plain_s = (before.timings.decode_s + after.timings.decode_s) / 2
+            for lag, run in runs.items():
+                entry = totals[lag]
+                entry["plain_s"] += plain_s
+                entry["adaptive_s"] += run.timings.decode_s
+                entry["drafted"] += run.spec.drafted
+                entry["accepted"] += run.spec.accepted
+                entry["valid"] &= run.token_ids == before.token_ids == after.token_ids
+        for lag, entry in totals.items():
+            entry["ratio"] = entry["plain_s"] / entry["adaptive_s"]
+            print(verdict(f"{category}, the draft reading {lag} positions before its first probe",
+                          f"{entry['ratio']:.3f}x of plain, {entry['accepted']}/{entry['drafted']} drafts kept, "
+                          f"{'VALID' if entry['valid'] else 'INVALID'}", None))
+        record["categories"][category] = {str(lag): entry for lag, entry in totals.items()}
     save("adaptive_probe", record)
     return 0
+
+
+def lag_runs(target, draft, prompt: str, lags: list[int], index: int, gamma: int, **options) -> tuple:
+    """One prompt: a plain run, an --adaptive run whose draft reads `lag` positions before its
+    first probe for each of `lags` (in prompt `index`'s turn: perf_common.in_turns), another
+    plain run. Returns (plain before, {lag: --adaptive run}, plain after)."""
+    import verispec.generate as generation
+
+    def run_with(lag: int):
+        default, generation.READY_LAG = generation.READY_LAG, lag
+        try:
+            return generation.generate(target, prompt, draft=draft, gamma=gamma, adaptive="cost", **options)
+        finally:
+            generation.READY_LAG = default
+
+    before = generation.generate(target, prompt, **options)
+    runs = in_turns({lag: lambda lag=lag: run_with(lag) for lag in lags}, index)
+    return before, runs, generation.generate(target, prompt, **options)
 
 
 def draft_side_main(args) -> int:

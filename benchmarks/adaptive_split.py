@@ -20,7 +20,7 @@ are a plain step's mean within 3 steps after a speculative round and elsewhere, 
 requests that have both. Every --adaptive output must equal the plain output (VALID).
 
 With --variants, each prompt is decoded with --adaptive in several ways between the same two
-plain runs: `current` (the engine as it is), `draft-only` (the engine without prompt
+plain runs, their order moving from prompt to prompt: `current` (the engine as it is), `draft-only` (the engine without prompt
 lookup's drafts in the draft model's place: generate(lookup=False)), and trials the engine
 does not carry: `draft-first` (prompt lookup takes a draft model's round only after
 DRAFT_FIRST rounds of the draft model's own, and never a probe), `late-probe` (LATE_PROBE
@@ -58,7 +58,7 @@ from contextlib import contextmanager
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
 
-from perf_common import add_pair_arguments, load_pair, median, save, verdict
+from perf_common import add_pair_arguments, in_turns, load_pair, median, save, verdict
 from verispec.spec.prompt_lookup import PromptLookupProposer
 
 
@@ -531,20 +531,22 @@ def near_minus_far(rows: list[dict]) -> str:
             f"({gaps[0]:+.1f} to {gaps[-1]:+.1f}) over {len(gaps)} requests")
 
 
-def requests(target, draft, prompt: str, tokens: int, gamma: int, variants: list[str]) -> dict[str, dict]:
-    """One prompt: plain, --adaptive in each variant (timed apart), plain again. The draft
-    proposes the vocabulary the engine's draft does by default (`draft_vocab="auto"`)."""
+def requests(target, draft, prompt: str, tokens: int, gamma: int, variants: list[str],
+             index: int = 0) -> dict[str, dict]:
+    """One prompt: plain, --adaptive in each variant (timed apart; in prompt `index`'s turn, see
+    perf_common.in_turns), plain again. The draft proposes the vocabulary the engine's draft
+    does by default (`draft_vocab="auto"`)."""
     from verispec.generate import make_proposer
 
-    before = timed_run(target, prompt, max_tokens=tokens)
-    runs = {}
-    for name in variants:
-        kind = PROPOSERS.get(name, ReadingProposer)
-        proposer = kind(make_proposer(draft, target))
+    def variant_run(name: str) -> tuple:
+        proposer = PROPOSERS.get(name, ReadingProposer)(make_proposer(draft, target))
         with policy(name):
             result, passes = timed_run(target, prompt, max_tokens=tokens, draft=proposer, gamma=gamma,
                                        adaptive="cost", lookup=name != "draft-only")
-        runs[name] = (result, passes, proposer)
+        return result, passes, proposer
+
+    before = timed_run(target, prompt, max_tokens=tokens)
+    runs = in_turns({name: lambda name=name: variant_run(name) for name in variants}, index)
     after = timed_run(target, prompt, max_tokens=tokens)
     return {name: split([before, after], *run) for name, run in runs.items()}
 
@@ -571,8 +573,9 @@ def main() -> int:
           f"then prompt lookup's of them; catch-ups x positions read; a plain step's mean near a speculative "
           f"round, far from one, in plain runs)")
     for category in args.categories:
-        for prompt in load_prompts(f"spec-bench:{category}", limit=args.prompts):
-            for name, r in requests(target, draft, prompt.text, args.tokens, args.gamma, args.variants).items():
+        for index, prompt in enumerate(load_prompts(f"spec-bench:{category}", limit=args.prompts)):
+            for name, r in requests(target, draft, prompt.text, args.tokens, args.gamma, args.variants,
+                                    index).items():
                 r.update(category=category, variant=name)
                 record["requests"].append(r)
                 print(f"  {category:>14} {name:>10} {r['prompt_tokens']:>6} {r['tokens']:>4} {r['ratio']:>5.2f}x | "

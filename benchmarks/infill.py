@@ -7,8 +7,9 @@ docstring (the prompt) and the body's last line (the suffix).
 
 Needs the `bench` extra (`make bench`) for HumanEval's problems. The problems are spread over
 HumanEval's 164, those whose canonical body has fewer than 3 lines left out. For each one:
-plain decoding, speculative decoding with the draft model and with prompt lookup, plain
-decoding again, one after the other, so a change in machine load hits them alike. Speed-up =
+plain decoding, speculative decoding with the draft model and with prompt lookup (the two in
+turn: each problem swaps which runs first), plain decoding again, one after the other, so a
+change in machine load hits them alike. Speed-up =
 plain time per token / speculative time per token; VALID when the speculative tokens equal
 both plain runs'. "Ended" counts the middles the model closed itself (an end-of-text or
 padding token) before the token budget; the first problem's middle is printed whole.
@@ -21,7 +22,7 @@ import sys
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 
-from perf_common import add_pair_arguments, add_pair_runs, load_pair, pair_figures, pair_totals, save
+from perf_common import add_pair_arguments, add_pair_runs, bracketed_runs, load_pair, pair_figures, pair_totals, save
 
 
 def infill_problems(count: int) -> list[tuple[str, str, str]]:
@@ -44,7 +45,6 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=128)
     args = parser.parse_args()
 
-    from verispec.generate import generate
     from verispec.spec.draft_model import DraftModelProposer, pair_vocab_limit
 
     problems = infill_problems(args.problems)
@@ -55,12 +55,9 @@ def main() -> int:
     totals = {name: pair_totals(valid=True) for name in drafts}
     ended = 0
     record.update(gamma=args.gamma, tokens=args.tokens, problems=[p[0] for p in problems], ways={})
-    for task, prefix, suffix in problems:
-        options = dict(suffix=suffix, max_tokens=args.tokens)
-        before = generate(target, prefix, **options)
-        specs = {name: generate(target, prefix, draft=make(), gamma=args.gamma, **options)
-                 for name, make in drafts.items()}
-        after = generate(target, prefix, **options)
+    for index, (task, prefix, suffix) in enumerate(problems):
+        before, specs, after = bracketed_runs(target, prefix, drafts, index, args.gamma, suffix=suffix,
+                                              max_tokens=args.tokens)
         ended += before.finish_reason == "eos"
         if task == problems[0][0]:
             print(f"  {task}'s gap, as the target filled it:\n{before.text}\n  (then the suffix: {suffix!r})")

@@ -10,7 +10,8 @@ The target's choices are penalised (presence, frequency, repetition: `verispec.p
 and so are the draft's, so that it proposes what the penalised target would pick. Against
 that, a draft that ignores the penalties: every draft of a token they push down is a likely
 rejection. For each prompt and setting: plain decoding, speculative decoding with the
-penalised draft and with the unpenalised one, plain decoding again, one after the other;
+penalised draft and with the unpenalised one (in turn: each prompt swaps which runs first),
+plain decoding again, one after the other;
 speed-up = plain time / speculative time; VALID when the speculative tokens equal both
 plain runs'.
 """
@@ -22,8 +23,8 @@ import sys
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 
-from perf_common import (add_category_arguments, add_pair_arguments, add_pair_runs, ignoring_rules, load_pair,
-                         pair_figures, pair_totals, save)
+from perf_common import (add_category_arguments, add_pair_arguments, add_pair_runs, bracketed_runs, ignoring_rules,
+                         load_pair, pair_figures, pair_totals, save)
 
 SETTINGS = {
     "none": {},
@@ -47,7 +48,6 @@ def main() -> int:
                         help="which to run; 'none' (the answers the others change) always runs")
     args = parser.parse_args()
 
-    from verispec.generate import generate
     from verispec.lab.prompts import load_prompts
     from verispec.spec.draft_model import DraftModelProposer, pair_vocab_limit
 
@@ -66,14 +66,11 @@ def main() -> int:
     for category in args.categories:
         prompts = load_prompts(f"spec-bench:{category}", limit=args.prompts)
         totals = {f"{name}, {kind}": pair_totals(valid=True, changed=0) for name in settings for kind in drafts}
-        for prompt in prompts:
+        for index, prompt in enumerate(prompts):
             unpenalised_answer = None
             for name, penalties in settings.items():
-                options = dict(chat=True, max_tokens=args.tokens, **penalties)
-                before = generate(target, prompt.text, **options)
-                specs = {kind: generate(target, prompt.text, draft=make(), gamma=args.gamma, **options)
-                         for kind, make in drafts.items()}
-                after = generate(target, prompt.text, **options)
+                before, specs, after = bracketed_runs(target, prompt.text, drafts, index, args.gamma, chat=True,
+                                                      max_tokens=args.tokens, **penalties)
                 unpenalised_answer = before.token_ids if name == "none" else unpenalised_answer
                 for kind, spec in specs.items():
                     entry = totals[f"{name}, {kind}"]

@@ -138,6 +138,28 @@ def rotated(names: list, index: int) -> list:
     return names[index % len(names):] + names[:index % len(names)]
 
 
+def in_turns(runs: dict, index: int) -> dict:
+    """Each of `runs` (name -> a function of no arguments) called once, in prompt or round
+    `index`'s turn (`rotated`): a way run after another tends to time differently from the one
+    before it, so no way keeps the same place. The results come back in `runs`' own order."""
+    done = {name: runs[name]() for name in rotated(list(runs), index)}
+    return {name: done[name] for name in runs}
+
+
+def bracketed_runs(target, text: str, drafts: dict, index: int, gamma: int, **options) -> tuple:
+    """One prompt's runs for a plain-against-speculative comparison: plain decoding, speculative
+    decoding with each of `drafts` (name -> a function that makes its proposer) in the prompt's
+    turn (`in_turns`), plain decoding again. Returns (plain before, {name: speculative run},
+    plain after)."""
+    from verispec.generate import generate
+
+    before = generate(target, text, **options)
+    specs = in_turns({name: lambda make=make: generate(target, text, draft=make(), gamma=gamma, **options)
+                      for name, make in drafts.items()}, index)
+    after = generate(target, text, **options)
+    return before, specs, after
+
+
 def take_turns(timers: dict, rounds: int, nbytes: int) -> list[dict]:
     """`rounds` rounds in which every timer (name -> seconds of one timing) runs once, the
     order rotating round by round, each round between two read-bandwidth measurements:

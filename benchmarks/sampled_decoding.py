@@ -27,7 +27,7 @@ drafts. The earlier ways, each measured against the engine as it is:
   top_k_ and nucleus_ (`benchmarks/overhead.py` times the two on one row).
 
 For each prompt this runs plain sampled decoding and speculative sampled decoding each way,
-one after the other, and reports time per token as ratios within the run; the draft's c is
+one after the other, the ways' order moving from prompt to prompt, and reports time per token as ratios within the run; the draft's c is
 its seconds per drafted token over a plain step's. The ways may draw different tokens from
 the same seed (each follows the same distribution), so each way's outputs are audited against
 the target's distribution as the lab audits sampled runs. Greedy decoding on the same prompts
@@ -42,7 +42,7 @@ import sys
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
 
-from perf_common import add_pair_runs, pair_figures, pair_totals, sampled_evidence_of, save, verdict
+from perf_common import add_pair_runs, pair_figures, pair_totals, rotated, sampled_evidence_of, save, verdict
 from sampled_audit import load_sampled_pair, sampled_arguments
 from verispec.sampling import _warp_with_torch
 
@@ -163,7 +163,8 @@ def compare(target, draft, prompts, ways: dict, gamma: int, tokens: int, warp: d
 
     totals = {way: pair_totals(outputs=[]) for way in ways}
     for index, prompt in enumerate(prompts):
-        for way, context in ways.items():
+        for way in rotated(list(ways), index):
+            context = ways[way]
             options = {"chat": True, "max_tokens": tokens, **({"temperature": 0.0} if way == "greedy" else warp)}
             with context():
                 plain = generate(target, prompt.text, seed=seed + index, **options)

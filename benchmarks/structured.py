@@ -6,11 +6,12 @@ draft alike gains.
 
 Each chat prompt is answered as any JSON object (`json_schema=True`, the server's
 response_format json_object) and freely. For each prompt: plain decoding held to JSON,
-speculative decoding with the draft masked as the target is (the engine's way) and with a
-draft that ignores the mask, plain decoding held to JSON again, then plain and speculative
-decoding of the free answer. Greedy choices mask only the rows whose argmax the structure
-refuses; "full masks" runs compute every row's mask, as the engine did before, plainly and
-with the masked draft. Speed-up = plain time per token / speculative time per token of the
+speculative decoding with the draft masked as the target is (the engine's way), with a
+draft that ignores the mask and with the masked draft on full masks (the three in turn: each
+prompt moves which runs first), plain decoding held to JSON on full masks and again as
+first, then plain and speculative decoding of the free answer. Greedy choices mask only the
+rows whose argmax the structure refuses; "full masks" runs compute every row's mask, as the
+engine did before. Speed-up = plain time per token / speculative time per token of the
 same answer; VALID when the speculative tokens equal the plain runs'. "Step" is plain
 decoding's time per token, held to JSON (with the shortcut and with full masks) and free:
 what the mask costs a step.
@@ -25,8 +26,8 @@ from contextlib import contextmanager
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 
-from perf_common import (add_category_arguments, add_pair_arguments, add_pair_runs, ignoring_rules, load_pair,
-                         pair_figures, pair_totals, save)
+from perf_common import (add_category_arguments, add_pair_arguments, add_pair_runs, ignoring_rules, in_turns,
+                         load_pair, pair_figures, pair_totals, save)
 
 
 def main() -> int:
@@ -52,15 +53,16 @@ def main() -> int:
         steps = {"JSON": [0.0, 0], "JSON, full masks": [0.0, 0], "free": [0.0, 0]}
         parsed = 0
         prompts = load_prompts(f"spec-bench:{category}", limit=args.prompts)
-        for prompt in prompts:
+        for index, prompt in enumerate(prompts):
             options = dict(chat=True, max_tokens=args.tokens, json_schema=True)
             before = generate(target, prompt.text, **options)
-            specs = {kind: generate(target, prompt.text, draft=make(), gamma=args.gamma, **options)
-                     for kind, make in drafts.items()}
-            with full_masks():
-                specs["masked draft, full masks"] = generate(target, prompt.text, draft=drafts["masked draft"](),
-                                                             gamma=args.gamma, **options)
-                full = generate(target, prompt.text, **options)
+            runs = {kind: lambda make=make: generate(target, prompt.text, draft=make(), gamma=args.gamma, **options)
+                    for kind, make in drafts.items()}
+            runs["masked draft, full masks"] = lambda: on_full_masks(generate, target, prompt.text,
+                                                                     draft=drafts["masked draft"](),
+                                                                     gamma=args.gamma, **options)
+            specs = in_turns(runs, index)
+            full = on_full_masks(generate, target, prompt.text, **options)
             after = generate(target, prompt.text, **options)
             free = generate(target, prompt.text, chat=True, max_tokens=args.tokens)
             free_spec = generate(target, prompt.text, chat=True, max_tokens=args.tokens,
@@ -93,6 +95,12 @@ def main() -> int:
                                 "speedup": {c: {n: round(e["speedup"], 4) for n, e in r["ways"].items()}
                                             for c, r in record["categories"].items()}})
     return 0 if all_valid else 1
+
+
+def on_full_masks(generate, *args, **options):
+    """`generate(*args, **options)` with every row's mask computed in full."""
+    with full_masks():
+        return generate(*args, **options)
 
 
 @contextmanager

@@ -1464,6 +1464,82 @@ def test_speedup_repeats_each_adaptive_run_between_two_plain_runs(folder, monkey
     assert ratios["tiny"]["plain_s"] > 0 and ratios["tiny"]["ratio"] == ratios["tiny"]["plain_s"] / ratios["tiny"]["spec_s"]
 
 
+
+def test_lab_comparisons_move_each_ways_place_from_prompt_to_prompt(monkeypatch):
+    """perf_common.bracketed_runs: plain, each speculative way, plain again, the ways' order
+    rotating with the prompt's index (a way run after another tends to time differently) while
+    their results keep the ways' own order; the scripts that compare ways per prompt use it."""
+    import importlib
+
+    import verispec.generate as engine
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    perf_common = importlib.import_module("perf_common")
+    order = []
+
+    def recorded(model, text, draft=None, **options):
+        order.append(draft or "plain")
+        return (text, draft, options)
+
+    monkeypatch.setattr(engine, "generate", recorded)
+    drafts = {"a": lambda: "a", "b": lambda: "b", "c": lambda: "c"}
+    runs = [perf_common.bracketed_runs("model", "text", drafts, index, 4, max_tokens=8) for index in range(3)]
+    assert order == ["plain", "a", "b", "c", "plain", "plain", "b", "c", "a", "plain", "plain", "c", "a", "b", "plain"]
+    for before, specs, after in runs:
+        assert before == after == ("text", None, {"max_tokens": 8})
+        assert list(specs) == ["a", "b", "c"]
+        assert all(specs[name] == ("text", name, {"gamma": 4, "max_tokens": 8}) for name in drafts)
+
+
+def test_adaptive_probe_runs_each_lag_in_the_prompts_turn_and_restores_the_engines(monkeypatch):
+    """benchmarks/adaptive_probe.py: between two plain runs, one --adaptive run per lag, the
+    engine's READY_LAG set to it for that run only, the lags' order moving with the prompt."""
+    import importlib
+
+    import verispec.generate as engine
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    adaptive_probe = importlib.import_module("adaptive_probe")
+    default, order = engine.READY_LAG, []
+
+    def recorded(model, text, draft=None, **options):
+        order.append(engine.READY_LAG if draft else "plain")
+        return engine.READY_LAG
+
+    monkeypatch.setattr(engine, "generate", recorded)
+    first = adaptive_probe.lag_runs("target", "draft", "text", [32, 16, 8], 0, 8, max_tokens=8)
+    second = adaptive_probe.lag_runs("target", "draft", "text", [32, 16, 8], 1, 8, max_tokens=8)
+    assert order == ["plain", 32, 16, 8, "plain", "plain", 16, 8, 32, "plain"]
+    assert first == second == (default, {32: 32, 16: 16, 8: 8}, default)
+    assert engine.READY_LAG == default
+
+
+def test_adaptive_split_moves_each_variants_place_from_prompt_to_prompt(monkeypatch):
+    """benchmarks/adaptive_split.py: the variants of one prompt run between its two plain runs,
+    in the prompt's turn, and come back in the order asked for."""
+    import importlib
+    from types import SimpleNamespace
+
+    import verispec.generate as engine
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    adaptive_split = importlib.import_module("adaptive_split")
+    order, policy = [], adaptive_split.policy
+
+    @contextlib.contextmanager
+    def recorded_policy(name):
+        order.append(name)
+        with policy(name):
+            yield
+
+    monkeypatch.setattr(adaptive_split, "policy", recorded_policy)
+    monkeypatch.setattr(adaptive_split, "timed_run", lambda *args, **options: (options.get("gamma"), []))
+    monkeypatch.setattr(adaptive_split, "split", lambda plain, result, passes, proposer: result)
+    monkeypatch.setattr(engine, "make_proposer", lambda draft, target: SimpleNamespace(name=draft))
+    variants = ["current", "draft-only", "late-probe"]
+    records = adaptive_split.requests("target", "draft", "text", 8, 4, variants, index=2)
+    assert order == ["late-probe", "current", "draft-only"] and list(records) == variants
+
 def test_adaptive_probe_times_the_drafts_part_both_ways_with_the_same_drafts(folder, monkeypatch):
     """benchmarks/adaptive_probe.py --draft-side: the first draft from the pass that reads the
     context, or from a pass of its own; the drafts must be the same."""
@@ -1620,8 +1696,16 @@ def test_sampled_decoding_compares_each_earlier_way_and_puts_the_engine_back(fol
         assert sampling.cpu_kernels is not kernels.cpu_kernels
     assert sampling.cpu_kernels is kernels.cpu_kernels
     ways = {**sampled_decoding.EARLIER_WAYS, "now": contextlib.nullcontext, "greedy": contextlib.nullcontext}
+    order = []
+
+    def recorded(name, context):
+        return lambda: (order.append(name), context())[1]
+
     warp = {"temperature": 0.8, "top_k": 0, "top_p": 0.9}
-    totals = sampled_decoding.compare(target, draft, prompts, ways, gamma=3, tokens=24, warp=warp)
+    totals = sampled_decoding.compare(target, draft, prompts, {name: recorded(name, context)
+                                                               for name, context in ways.items()},
+                                      gamma=3, tokens=24, warp=warp)
+    assert order == [*ways, *list(ways)[1:], *list(ways)[:1]]  # the second prompt's turn starts one way on
     assert (sampling.sample, verifier.sample, sampling.probabilities, draft_model.probabilities,
             engine.verify_sampling, draft_model.DraftModelProposer._draw) == engine_parts
     assert set(totals) == {"whole-rows", "torch.multinomial", "numpy-warp", "now", "greedy"}
