@@ -1625,6 +1625,41 @@ def test_missed_draft_ids_counts_what_a_limited_draft_could_not_propose(monkeypa
     assert summary["recurring_ids"] == [["200", 2, 2]] and summary["within"] == {"80": 1, "100": 2}
 
 
+
+def test_penalty_agreement_sorts_each_position_by_whose_choice_the_penalties_changed(folder, tmp_path, monkeypatch):
+    """benchmarks/penalty_agreement.py: a pass over the prompt and the penalised answer,
+    penalised row by row, chooses the answer's tokens; each position falls in one cell, by
+    whether the penalties changed the target's choice and the draft's; the target as its own
+    draft agrees everywhere."""
+    import importlib
+
+    from verispec.penalties import Penalties
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    penalty_agreement = importlib.import_module("penalty_agreement")
+    tiny.save_hf_model(tmp_path, "qwen2", seed=5, num_hidden_layers=1)
+    target, draft = load_model(folder), load_model(tmp_path)
+    prompt_ids = target.tokenizer.encode("the cat sat on the mat. the cat")
+    penalties = Penalties(presence=1.5, frequency=1.5, repetition=1.5)
+    answer = generate(target, prompt_ids, max_tokens=24, ignore_eos=True, presence_penalty=1.5,
+                      frequency_penalty=1.5, repetition_penalty=1.5).token_ids
+    rows = {name: penalty_agreement.rows_of(model, prompt_ids, answer) for name, model in (("t", target), ("d", draft))}
+    done = {name: penalty_agreement.penalised(r, penalties, prompt_ids, answer) for name, r in rows.items()}
+    assert done["t"].argmax(-1).tolist() == answer and rows["t"].argmax(-1).tolist() != answer
+    cells = penalty_agreement.CELLS
+    itself = penalty_agreement.position_counts(rows["t"], rows["t"], done["t"], done["t"], answer)
+    assert itself["not_the_answer"] == 0 and itself["draft only"]["positions"] == itself["target only"]["positions"] == 0
+    assert sum(itself[c]["penalised_draft_agrees"] for c in cells) == len(answer)
+    assert itself["both"]["positions"] > 0 and itself["both"]["unpenalised_draft_agrees"] == 0
+    other = penalty_agreement.position_counts(rows["t"], rows["d"], done["t"], done["d"], answer)
+    assert sum(other[c]["positions"] for c in cells) == len(answer) and other["not_the_answer"] == 0
+    assert sum(other[c]["penalised_draft_agrees"] for c in cells) < len(answer)
+    # one row by hand: the penalties move the draft's choice (column 1 to 0) and not the target's (2)
+    plain_row, moved_row = torch.tensor([[0.0, 1.0, 0.5]]), torch.tensor([[2.0, 1.0, 0.5]])
+    target_row = torch.tensor([[0.0, 0.0, 3.0]])
+    by_hand = penalty_agreement.position_counts(target_row, plain_row, target_row, moved_row, [2])
+    assert by_hand["draft only"] == {"positions": 1, "penalised_draft_agrees": 0, "unpenalised_draft_agrees": 0}
+
 def test_draft_vocab_audits_sampled_runs_by_their_distribution(folder, monkeypatch):
     """benchmarks/draft_vocab.py --temperature: runs sample, and each way's tokens (the plain runs'
     too) are tested against the target's distribution instead of compared token for token."""

@@ -1,0 +1,128 @@
+"""Why a penalised draft still parts from a penalised target more often than an unpenalised
+pair does: the draft's and the target's choices, position by position, with and without the
+penalties. A count, not a timing.
+
+    python benchmarks/penalty_agreement.py                  # coding and writing, 3 prompts each
+    python benchmarks/penalty_agreement.py --categories writing --prompts 5 --settings "repetition 1.1"
+
+For each prompt and setting (benchmarks/penalties.py's) the target answers greedily under the
+penalties. Then the target and the draft each read the prompt and that answer in one pass,
+and every answer position's row is taken as it is and as the penalties leave it, given the
+answer before it (verispec.penalties.PenaltyState, as decoding applies it). The penalised
+target's choice must be the answer's token (a pass gives each row the logits a plain step
+does). Per position: did the penalties change the target's choice, did they change the
+draft's, and does the penalised draft choose the target's token: the acceptance a draft that
+read the whole context would reach at γ = 1. The draft proposes the whole vocabulary here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import verispec  # noqa: F401  (first: it sets how torch's threads wait)
+import torch
+
+from perf_common import add_pair_arguments, category_prompts, load_pair, save
+from penalties import SETTINGS, fence_ban
+
+CELLS = ("neither", "target only", "draft only", "both")  # whose choice the penalties changed
+
+
+def rows_of(model, prompt_ids: list[int], answer: list[int]) -> torch.Tensor:
+    """The model's logits at the positions that choose the answer's tokens: [len(answer), vocab]."""
+    ids = prompt_ids + answer
+    with torch.inference_mode():
+        logits = model.model(torch.tensor([ids]), model.model.new_cache(len(ids)))[0]
+    return logits[len(prompt_ids) - 1:len(ids) - 1].float()
+
+
+def penalised(rows: torch.Tensor, penalties, prompt_ids: list[int], answer: list[int]) -> torch.Tensor:
+    """`rows` as decoding penalises them: row i after the answer's first i tokens."""
+    from verispec.penalties import PenaltyState
+
+    return PenaltyState(penalties, prompt_ids).apply(rows, drafts=answer)
+
+
+def position_counts(target_rows, draft_rows, target_penalised, draft_penalised, answer: list[int]) -> dict:
+    """Per cell (whose choice the penalties changed): positions, and those where the penalised
+    draft, and the unpenalised draft, chose the target's token; and how many positions the
+    penalised target's choice was not the answer's token (0 when the pass is exact)."""
+    target_plain, target_choice = target_rows.argmax(-1), target_penalised.argmax(-1)
+    draft_plain, draft_choice = draft_rows.argmax(-1), draft_penalised.argmax(-1)
+    tokens, counts = torch.tensor(answer), empty_counts()
+    for i in range(len(answer)):
+        cell = CELLS[int(target_plain[i] != target_choice[i]) + 2 * int(draft_plain[i] != draft_choice[i])]
+        counts[cell]["positions"] += 1
+        counts[cell]["penalised_draft_agrees"] += int(draft_choice[i] == tokens[i])
+        counts[cell]["unpenalised_draft_agrees"] += int(draft_plain[i] == tokens[i])
+    counts["not_the_answer"] = int((target_choice != tokens).sum())
+    return counts
+
+
+def empty_counts() -> dict:
+    return {**{cell: {"positions": 0, "penalised_draft_agrees": 0, "unpenalised_draft_agrees": 0} for cell in CELLS},
+            "not_the_answer": 0}
+
+
+def add_counts(total: dict, counts: dict) -> None:
+    for cell in CELLS:
+        for key, value in counts[cell].items():
+            total[cell][key] += value
+    total["not_the_answer"] += counts["not_the_answer"]
+
+
+def summary(total: dict) -> str:
+    positions = sum(total[cell]["positions"] for cell in CELLS)
+    agree = sum(total[cell]["penalised_draft_agrees"] for cell in CELLS)
+    parts = [f"{positions} positions, the penalised draft agrees {agree / max(positions, 1):.1%}"]
+    for cell in CELLS:
+        c = total[cell]
+        if c["positions"]:
+            parts.append(f"{cell} changed {c['positions']} ({c['positions'] / positions:.1%}): penalised draft "
+                         f"{c['penalised_draft_agrees'] / c['positions']:.0%}, unpenalised "
+                         f"{c['unpenalised_draft_agrees'] / c['positions']:.0%}")
+    return "; ".join(parts)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_pair_arguments(parser)
+    parser.add_argument("--categories", nargs="+", default=["coding", "writing"])
+    parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    args = parser.parse_args()
+
+    from verispec.generate import encode_prompt, generate
+    from verispec.penalties import Penalties
+
+    target, draft, record = load_pair(args, "penalised choices, position by position", f"{args.tokens} tokens, greedy")
+    settings = {name: dict(SETTINGS[name]) for name in args.settings}
+    if "no code fences" in settings:
+        settings["no code fences"]["logit_bias"] = fence_ban(target.tokenizer)
+    record.update(tokens=args.tokens, categories={})
+    exact = True
+    for category in args.categories:
+        totals = {name: empty_counts() for name in settings}
+        for prompt in category_prompts(category, args.prompts):
+            prompt_ids = encode_prompt(target.tokenizer, prompt.text, True)
+            for name, options in settings.items():
+                answer = generate(target, prompt_ids, max_tokens=args.tokens, **options).token_ids
+                penalties = Penalties(options.get("presence_penalty", 0.0), options.get("frequency_penalty", 0.0),
+                                      options.get("repetition_penalty", 1.0), options.get("logit_bias", ()))
+                target_rows, draft_rows = (rows_of(model, prompt_ids, answer) for model in (target, draft))
+                add_counts(totals[name], position_counts(
+                    target_rows, draft_rows, penalised(target_rows, penalties, prompt_ids, answer),
+                    penalised(draft_rows, penalties, prompt_ids, answer), answer))
+        for name, total in totals.items():
+            exact &= total["not_the_answer"] == 0
+            print(f"  {category:>10} {name:>15}: {summary(total)}"
+                  + (f"; {total['not_the_answer']} rows NOT the answer's token" if total["not_the_answer"] else ""))
+        record["categories"][category] = totals
+    save("penalty_agreement", record)
+    return 0 if exact else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
