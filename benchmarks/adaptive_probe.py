@@ -6,20 +6,18 @@
 
 With --adaptive a draft model reads the context only when it is about to draft, and then no
 more than its last READY_LAG positions (verispec.generate). Its first probe therefore costs a
-pass of the draft over up to READY_LAG positions and a couple of draft steps: little against
-a long answer, several percent of a short one. Reading less makes the probe cheaper but lets
-the draft see less of the question. For each prompt: a plain run, one --adaptive run per
-lag (their order moving from prompt to prompt), another plain run (load drift hits both
-sides alike); every --adaptive output must
-equal the plain output. Per category and lag: plain seconds / adaptive seconds, and the
-drafted and accepted tokens.
+pass of the draft over up to READY_LAG positions and a couple of draft steps: little against a
+long answer, several percent of a short one. Reading less makes the probe cheaper but lets the
+draft see less of the question. For each prompt: a plain run, one --adaptive run per lag (their
+order moving from prompt to prompt), another plain run (load drift hits both sides alike);
+every --adaptive output must equal the plain output. Per category and lag: plain seconds /
+adaptive seconds, and the drafted and accepted tokens.
 
 With --draft-side, only the draft's part of a first probe (reading the last READY_LAG
 positions, then γ = 2 drafts) is timed, on each prompt in turn two ways (which first
-alternating from round to round): as the engine does it,
-the pass that reads the context giving the first draft too, and `apart`, that pass stopping a
-token short and the first draft step reading the last token on its own, as the engine did
-before. Both must give the same drafts.
+alternating from round to round): as the engine does it, the pass that reads the context giving
+the first draft too, and `apart`, that pass stopping a token short and the first draft step
+reading the last token on its own, as the engine did before. Both must give the same drafts.
 """
 
 from __future__ import annotations

