@@ -26,12 +26,13 @@ drafts. The earlier ways, each measured against the engine as it is:
   where the CPU kernels are not built; verispec warps them with the kernels' softmax_,
   top_k_ and nucleus_ (`benchmarks/overhead.py` times the two on one row).
 
-For each prompt this runs plain sampled decoding and speculative sampled decoding each way,
-one after the other, the ways' order moving from prompt to prompt, and reports time per token as ratios within the run; the draft's c is
-its seconds per drafted token over a plain step's. The ways may draw different tokens from
-the same seed (each follows the same distribution), so each way's outputs are audited against
-the target's distribution as the lab audits sampled runs. Greedy decoding on the same prompts
-(unless --no-greedy) gives the c that sampling's is set against.
+For each prompt this runs plain sampled decoding and speculative sampled decoding each way, one
+after the other, the ways' order moving from prompt to prompt, and reports time per token as
+ratios within the run; the draft's c is its seconds per drafted token over a plain step's. The
+ways may draw different tokens from the same seed (each follows the same distribution), so each
+way's outputs are audited against the target's distribution as the lab audits sampled runs.
+Greedy decoding on the same prompts (unless --no-greedy) gives the c that sampling's is set
+against.
 """
 
 from __future__ import annotations

@@ -1648,7 +1648,8 @@ def test_penalty_agreement_sorts_each_position_by_whose_choice_the_penalties_cha
     assert done["t"].argmax(-1).tolist() == answer and rows["t"].argmax(-1).tolist() != answer
     cells = penalty_agreement.CELLS
     itself = penalty_agreement.position_counts(rows["t"], rows["t"], done["t"], done["t"], answer)
-    assert itself["not_the_answer"] == 0 and itself["draft only"]["positions"] == itself["target only"]["positions"] == 0
+    assert itself["not_the_answer"] == 0
+    assert itself["draft only"]["positions"] == itself["target only"]["positions"] == 0
     assert sum(itself[c]["penalised_draft_agrees"] for c in cells) == len(answer)
     assert itself["both"]["positions"] > 0 and itself["both"]["unpenalised_draft_agrees"] == 0
     other = penalty_agreement.position_counts(rows["t"], rows["d"], done["t"], done["d"], answer)
