@@ -32,8 +32,8 @@ import sys
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 
-from perf_common import (add_pair_arguments, add_pair_runs, category_prompts, load_pair, pair_figures, pair_totals,
-                         rotated, sampled_evidence_of, save)
+from perf_common import (add_pair_arguments, add_pair_runs, category_prompts, in_turns, load_pair, pair_figures,
+                         pair_totals, sampled_evidence_of, save)
 from verispec.lab.audit import check_sampled_output, sampled_p_values
 from speedup import spec_bench_categories
 
@@ -67,17 +67,17 @@ def compare(target, draft, prompts, ways: dict[str, tuple], gamma: int, tokens: 
     validity; sampled, also the p-values of each way's runs and of the plain runs."""
     from verispec.spec.draft_model import DraftModelProposer
 
+    def speculative(text: str, sampling: dict, limit, context: bool, marks: bool):
+        return run(target, text, tokens, gamma=gamma, adaptive="cost" if adaptive else False,
+                   draft=DraftModelProposer(draft, vocab_limit=limit, context_ids=context, markdown=marks), **sampling)
+
     totals = {way: pair_totals(valid=True, evidence=[]) for way in ways}
     plain_evidence = []
     for index, prompt in enumerate(prompts):
         sampling = {"temperature": temperature, "seed": seed + index}
         before = run(target, prompt.text, tokens, **sampling)
-        specs = {}
-        for way in rotated(list(ways), index):  # each way takes each place in turn: none always runs last
-            limit, context, marks = ways[way]
-            specs[way] = run(target, prompt.text, tokens, gamma=gamma, adaptive="cost" if adaptive else False,
-                             draft=DraftModelProposer(draft, vocab_limit=limit, context_ids=context, markdown=marks),
-                             **sampling)
+        # each way takes each place in turn: none always runs last
+        specs = in_turns({way: lambda way=way: speculative(prompt.text, sampling, *ways[way]) for way in ways}, index)
         after = run(target, prompt.text, tokens, **sampling)
         plain_s = (before.timings.decode_s + after.timings.decode_s) / 2
         if temperature > 0:  # after the timed runs: the audit's passes cost as much as a prefill each

@@ -58,11 +58,10 @@ def main() -> int:
             before = generate(target, prompt.text, **options)
             runs = {kind: lambda make=make: generate(target, prompt.text, draft=make(), gamma=args.gamma, **options)
                     for kind, make in drafts.items()}
-            runs["masked draft, full masks"] = lambda: on_full_masks(generate, target, prompt.text,
-                                                                     draft=drafts["masked draft"](),
-                                                                     gamma=args.gamma, **options)
+            runs["masked draft, full masks"] = lambda: on_full_masks(
+                target, prompt.text, draft=drafts["masked draft"](), gamma=args.gamma, **options)
             specs = in_turns(runs, index)
-            full = on_full_masks(generate, target, prompt.text, **options)
+            full = on_full_masks(target, prompt.text, **options)
             after = generate(target, prompt.text, **options)
             free = generate(target, prompt.text, chat=True, max_tokens=args.tokens)
             free_spec = generate(target, prompt.text, chat=True, max_tokens=args.tokens,
@@ -97,8 +96,10 @@ def main() -> int:
     return 0 if all_valid else 1
 
 
-def on_full_masks(generate, *args, **options):
+def on_full_masks(*args, **options):
     """`generate(*args, **options)` with every row's mask computed in full."""
+    from verispec.generate import generate
+
     with full_masks():
         return generate(*args, **options)
 
