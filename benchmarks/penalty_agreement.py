@@ -4,6 +4,7 @@ penalties. A count, not a timing.
 
     python benchmarks/penalty_agreement.py                  # coding and writing, 3 prompts each
     python benchmarks/penalty_agreement.py --categories writing --prompts 5 --settings "repetition 1.1"
+    python benchmarks/penalty_agreement.py --draft-vocab auto    # the draft limited as the engine limits it
 
 For each prompt and setting (benchmarks/penalties.py's) the target answers greedily under the
 penalties. Then the target and the draft each read the prompt and that answer in one pass,
@@ -12,7 +13,9 @@ answer before it (verispec.penalties.PenaltyState, as decoding applies it). The 
 target's choice must be the answer's token (a pass gives each row the logits a plain step
 does). Per position: did the penalties change the target's choice, did they change the
 draft's, and does the penalised draft choose the target's token: the acceptance a draft that
-read the whole context would reach at γ = 1. The draft proposes the whole vocabulary here.
+read the whole context would reach at γ = 1. The draft proposes the whole vocabulary unless
+--draft-vocab limits it as the engine does (its first ids, Markdown's marks, and every id of
+the prompt and of the answer before the position).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import sys
 
 import verispec  # noqa: F401  (first: it sets how torch's threads wait)
 import torch
+from verispec.commands.options import draft_vocab_choice
 
 from perf_common import add_pair_arguments, category_prompts, load_pair, save
 from penalties import SETTINGS, fence_ban
@@ -35,6 +39,22 @@ def rows_of(model, prompt_ids: list[int], answer: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         logits = model.model(torch.tensor([ids]), model.model.new_cache(len(ids)))[0]
     return logits[len(prompt_ids) - 1:len(ids) - 1].float()
+
+
+def limited(rows: torch.Tensor, limit: int | None, standing: list[int], prompt_ids: list[int],
+            answer: list[int]) -> torch.Tensor:
+    """`rows` with every id the limited draft cannot propose at its position set to -inf: it
+    proposes the first `limit` ids, the `standing` ones, and those of the prompt and of the
+    answer before the position. `limit` None: `rows` as they are."""
+    if limit is None:
+        return rows
+    allowed = torch.zeros(rows.shape, dtype=torch.bool)
+    allowed[:, :limit] = True
+    allowed[:, [i for i in dict.fromkeys(standing + prompt_ids) if i < rows.shape[1]]] = True
+    for position, token in enumerate(answer[:-1]):
+        if token < rows.shape[1]:
+            allowed[position + 1:, token] = True  # rows after the token's own choose with it in context
+    return rows.masked_fill(~allowed, float("-inf"))
 
 
 def penalised(rows: torch.Tensor, penalties, prompt_ids: list[int], answer: list[int]) -> torch.Tensor:
@@ -92,16 +112,22 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    parser.add_argument("--draft-vocab", type=draft_vocab_choice, default=None, metavar="N",
+                        help="'all' (default), 'auto' or a number of first ids: what the draft may propose")
     args = parser.parse_args()
 
     from verispec.generate import encode_prompt, generate
     from verispec.penalties import Penalties
+    from verispec.spec.draft_model import markdown_ids, pair_vocab_limit
 
     target, draft, record = load_pair(args, "penalised choices, position by position", f"{args.tokens} tokens, greedy")
     settings = {name: dict(SETTINGS[name]) for name in args.settings}
     if "no code fences" in settings:
         settings["no code fences"]["logit_bias"] = fence_ban(target.tokenizer)
-    record.update(tokens=args.tokens, categories={})
+    limit = pair_vocab_limit(args.draft_vocab, draft, target)
+    standing = markdown_ids(draft.tokenizer) if limit is not None else []
+    print("  the draft proposes " + ("every id" if limit is None else f"the first {limit} ids, Markdown's and the context's"))
+    record.update(tokens=args.tokens, draft_vocab=limit, categories={})
     exact = True
     for category in args.categories:
         totals = {name: empty_counts() for name in settings}
@@ -111,7 +137,8 @@ def main() -> int:
                 answer = generate(target, prompt_ids, max_tokens=args.tokens, **options).token_ids
                 penalties = Penalties(options.get("presence_penalty", 0.0), options.get("frequency_penalty", 0.0),
                                       options.get("repetition_penalty", 1.0), options.get("logit_bias", ()))
-                target_rows, draft_rows = (rows_of(model, prompt_ids, answer) for model in (target, draft))
+                target_rows = rows_of(target, prompt_ids, answer)
+                draft_rows = limited(rows_of(draft, prompt_ids, answer), limit, standing, prompt_ids, answer)
                 add_counts(totals[name], position_counts(
                     target_rows, draft_rows, penalised(target_rows, penalties, prompt_ids, answer),
                     penalised(draft_rows, penalties, prompt_ids, answer), answer))
@@ -120,7 +147,7 @@ def main() -> int:
             print(f"  {category:>10} {name:>15}: {summary(total)}"
                   + (f"; {total['not_the_answer']} rows NOT the answer's token" if total["not_the_answer"] else ""))
         record["categories"][category] = totals
-    save("penalty_agreement", record)
+    save("penalty_agreement" if limit is None else f"penalty_agreement_vocab_{limit}", record)
     return 0 if exact else 1
 
 

@@ -1661,6 +1661,22 @@ def test_penalty_agreement_sorts_each_position_by_whose_choice_the_penalties_cha
     by_hand = penalty_agreement.position_counts(target_row, plain_row, target_row, moved_row, [2])
     assert by_hand["draft only"] == {"positions": 1, "penalised_draft_agrees": 0, "unpenalised_draft_agrees": 0}
 
+
+def test_penalty_agreement_limits_the_draft_to_its_first_ids_and_the_context_so_far(monkeypatch):
+    """benchmarks/penalty_agreement.py --draft-vocab: a row keeps the first ids, the standing
+    ones, the prompt's and the answer's before its position; no limit keeps every row whole."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    penalty_agreement = importlib.import_module("penalty_agreement")
+    rows = torch.arange(24, dtype=torch.float32).reshape(3, 8)
+    kept = penalty_agreement.limited(rows, 3, [5], [6, 1], [7, 4, 1])
+    allowed = [sorted(torch.isfinite(row).nonzero().flatten().tolist()) for row in kept]
+    assert allowed == [[0, 1, 2, 5, 6], [0, 1, 2, 5, 6, 7], [0, 1, 2, 4, 5, 6, 7]]
+    assert torch.equal(kept[torch.isfinite(kept)], rows[torch.isfinite(kept)])
+    assert penalty_agreement.limited(rows, None, [5], [6], [7, 4, 1]) is rows
+
+
 def test_draft_vocab_audits_sampled_runs_by_their_distribution(folder, monkeypatch):
     """benchmarks/draft_vocab.py --temperature: runs sample, and each way's tokens (the plain runs'
     too) are tested against the target's distribution instead of compared token for token."""
