@@ -13,7 +13,8 @@ answer before it (verispec.penalties.PenaltyState, as decoding applies it). The 
 target's choice must be the answer's token (a pass gives each row the logits a plain step
 does). Per position: did the penalties change the target's choice, did they change the
 draft's, and does the penalised draft choose the target's token: the acceptance a draft that
-read the whole context would reach at γ = 1. The draft proposes the whole vocabulary unless
+read the whole context would reach at γ = 1; and does either of the draft's two choices (a
+tree of two proposals where the penalties turned the draft's choice) hold the target's. The draft proposes the whole vocabulary unless
 --draft-vocab limits it as the engine does (its first ids, Markdown's marks, and every id of
 the prompt and of the answer before the position).
 """
@@ -66,23 +67,25 @@ def penalised(rows: torch.Tensor, penalties, prompt_ids: list[int], answer: list
 
 def position_counts(target_rows, draft_rows, target_penalised, draft_penalised, answer: list[int]) -> dict:
     """Per cell (whose choice the penalties changed): positions, and those where the penalised
-    draft, and the unpenalised draft, chose the target's token; and how many positions the
-    penalised target's choice was not the answer's token (0 when the pass is exact)."""
-    target_plain, target_choice = target_rows.argmax(-1), target_penalised.argmax(-1)
-    draft_plain, draft_choice = draft_rows.argmax(-1), draft_penalised.argmax(-1)
-    tokens, counts = torch.tensor(answer), empty_counts()
-    for i in range(len(answer)):
+    draft, the unpenalised draft, and either of the two (a tree that proposes both where they
+    differ) chose the target's token; and how many positions the penalised target's choice was
+    not the answer's token (0 when the pass is exact)."""
+    target_plain, target_choice = target_rows.argmax(-1).tolist(), target_penalised.argmax(-1).tolist()
+    draft_plain, draft_choice = draft_rows.argmax(-1).tolist(), draft_penalised.argmax(-1).tolist()
+    counts = empty_counts()
+    for i, token in enumerate(answer):
         cell = CELLS[int(target_plain[i] != target_choice[i]) + 2 * int(draft_plain[i] != draft_choice[i])]
         counts[cell]["positions"] += 1
-        counts[cell]["penalised_draft_agrees"] += int(draft_choice[i] == tokens[i])
-        counts[cell]["unpenalised_draft_agrees"] += int(draft_plain[i] == tokens[i])
-    counts["not_the_answer"] = int((target_choice != tokens).sum())
+        counts[cell]["penalised_draft_agrees"] += int(draft_choice[i] == token)
+        counts[cell]["unpenalised_draft_agrees"] += int(draft_plain[i] == token)
+        counts[cell]["either_draft_agrees"] += int(token in (draft_choice[i], draft_plain[i]))
+    counts["not_the_answer"] = sum(choice != token for choice, token in zip(target_choice, answer))
     return counts
 
 
 def empty_counts() -> dict:
-    return {**{cell: {"positions": 0, "penalised_draft_agrees": 0, "unpenalised_draft_agrees": 0} for cell in CELLS},
-            "not_the_answer": 0}
+    fields = ("positions", "penalised_draft_agrees", "unpenalised_draft_agrees", "either_draft_agrees")
+    return {**{cell: dict.fromkeys(fields, 0) for cell in CELLS}, "not_the_answer": 0}
 
 
 def add_counts(total: dict, counts: dict) -> None:
@@ -95,13 +98,17 @@ def add_counts(total: dict, counts: dict) -> None:
 def summary(total: dict) -> str:
     positions = sum(total[cell]["positions"] for cell in CELLS)
     agree = sum(total[cell]["penalised_draft_agrees"] for cell in CELLS)
-    parts = [f"{positions} positions, the penalised draft agrees {agree / max(positions, 1):.1%}"]
+    either = sum(total[cell]["either_draft_agrees"] for cell in CELLS)
+    parts = [f"{positions} positions, the penalised draft agrees {agree / max(positions, 1):.1%}, "
+             f"either draft {either / max(positions, 1):.1%}"]
     for cell in CELLS:
         c = total[cell]
         if c["positions"]:
             parts.append(f"{cell} changed {c['positions']} ({c['positions'] / positions:.1%}): penalised draft "
                          f"{c['penalised_draft_agrees'] / c['positions']:.0%}, unpenalised "
-                         f"{c['unpenalised_draft_agrees'] / c['positions']:.0%}")
+                         f"{c['unpenalised_draft_agrees'] / c['positions']:.0%}"
+                         + (f", either {c['either_draft_agrees'] / c['positions']:.0%}"
+                            if cell in ("draft only", "both") else ""))
     return "; ".join(parts)
 
 

@@ -1651,6 +1651,7 @@ def test_penalty_agreement_sorts_each_position_by_whose_choice_the_penalties_cha
     assert itself["not_the_answer"] == 0
     assert itself["draft only"]["positions"] == itself["target only"]["positions"] == 0
     assert sum(itself[c]["penalised_draft_agrees"] for c in cells) == len(answer)
+    assert sum(itself[c]["either_draft_agrees"] for c in cells) == len(answer)
     assert itself["both"]["positions"] > 0 and itself["both"]["unpenalised_draft_agrees"] == 0
     other = penalty_agreement.position_counts(rows["t"], rows["d"], done["t"], done["d"], answer)
     assert sum(other[c]["positions"] for c in cells) == len(answer) and other["not_the_answer"] == 0
@@ -1659,7 +1660,13 @@ def test_penalty_agreement_sorts_each_position_by_whose_choice_the_penalties_cha
     plain_row, moved_row = torch.tensor([[0.0, 1.0, 0.5]]), torch.tensor([[2.0, 1.0, 0.5]])
     target_row = torch.tensor([[0.0, 0.0, 3.0]])
     by_hand = penalty_agreement.position_counts(target_row, plain_row, target_row, moved_row, [2])
-    assert by_hand["draft only"] == {"positions": 1, "penalised_draft_agrees": 0, "unpenalised_draft_agrees": 0}
+    assert by_hand["draft only"] == {"positions": 1, "penalised_draft_agrees": 0, "unpenalised_draft_agrees": 0,
+                                     "either_draft_agrees": 0}
+    # the unpenalised choice (1) is the target's: a tree of both of the draft's choices holds it
+    target_row = torch.tensor([[0.0, 3.0, 0.5]])
+    by_hand = penalty_agreement.position_counts(target_row, plain_row, target_row, moved_row, [1])
+    assert by_hand["draft only"] == {"positions": 1, "penalised_draft_agrees": 0, "unpenalised_draft_agrees": 1,
+                                     "either_draft_agrees": 1}
 
 
 def test_penalty_agreement_limits_the_draft_to_its_first_ids_and_the_context_so_far(monkeypatch):
