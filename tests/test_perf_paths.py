@@ -1684,6 +1684,30 @@ def test_penalty_agreement_limits_the_draft_to_its_first_ids_and_the_context_so_
     assert penalty_agreement.limited(rows, None, [5], [6], [7, 4, 1]) is rows
 
 
+def test_structure_mask_times_every_way_at_every_answer_position_and_leaves_the_matcher_in_place(
+        folder, monkeypatch):
+    """benchmarks/structure_mask.py: each way is timed once per position of a JSON answer, and
+    none of them moves the matcher (the answer's tokens are still taken one by one after)."""
+    import importlib
+
+    from verispec.structured import Structure, StructureState
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    structure_mask = importlib.import_module("structure_mask")
+    target = load_model(folder)
+    vocab = target.config.vocab_size
+    answer = generate(target, target.tokenizer.encode("the cat"), max_tokens=12, json_schema=True).token_ids
+    answer = [t for t in answer if t not in target.tokenizer.eos_ids]
+    assert answer
+    state = StructureState(Structure.json(True), target.tokenizer, vocab)
+    times = structure_mask.answer_times(state, answer, vocab)
+    assert list(times) == list(structure_mask.WAYS)
+    assert all(len(values) == len(answer) and min(values) > 0 for values in times.values())
+    fresh = StructureState(Structure.json(True), target.tokenizer, vocab)
+    fresh.add(answer)  # the same tokens from the start: the timed matcher took them as this one does
+    assert torch.equal(state.allowed(), fresh.allowed())
+
+
 def test_draft_vocab_audits_sampled_runs_by_their_distribution(folder, monkeypatch):
     """benchmarks/draft_vocab.py --temperature: runs sample, and each way's tokens (the plain runs'
     too) are tested against the target's distribution instead of compared token for token."""
