@@ -5,16 +5,18 @@ make, and the whole mask that sampled rows need.
     python benchmarks/structure_mask.py --prompts 5 --weights int4
 
 The target answers 3 extraction prompts as any JSON object (greedy, as `structured.py` does).
-Then, position by position along each answer, a matcher at the output so far is timed four
+Then, position by position along each answer, a matcher at the output so far is timed five
 ways, in turn: checking the answer's token alone (`validate_tokens`, what a greedy row whose
 argmax the structure allows pays), the matcher's bitmask over the whole vocabulary, that
-bitmask unpacked into one boolean per id (`StructureState._mask`), and a whole row of logits
+bitmask unpacked into one boolean per id (`StructureState._mask`), a whole row of logits
 masked the way a sampled row is (`StructureState.apply` without `greedy`: a copy of the
-matcher, the mask, and -inf written into the refused columns). Medians over the positions
-are set against the median plain step of the same answers, decoded free: a sampled
-verification pass over γ + 1 positions masks every row, so γ + 1 times the last figure is what
-the structure adds to it, whatever the pass keeps. Rows after the first rejected draft are
-never read; masking them as the verifier reaches them would save their share.
+matcher, the mask, and -inf written into the refused columns), and the same row masked by
+torch's `masked_fill_`, as the engine did before (the mask, a copy of the row, the fill).
+Medians over the positions are set against the median plain step of the same answers,
+decoded free: a sampled verification pass over γ + 1 positions masks every row, so γ + 1
+times the masked row is what the structure adds to it, whatever the pass keeps. Rows after
+the first rejected draft are never read; masking them as the verifier reaches them would save
+their share.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 
 from perf_common import category_prompts, machine_load, median, save, warn_if_busy
 
-WAYS = ("check one id", "bitmask", "mask", "masked row")
+WAYS = ("check one id", "bitmask", "mask", "masked row", "masked_fill_ row")
 
 
 def way_times(state, token: int, row: torch.Tensor, repeats: int = 5) -> dict[str, float]:
@@ -39,6 +41,7 @@ def way_times(state, token: int, row: torch.Tensor, repeats: int = 5) -> dict[st
         "bitmask": lambda: state.matcher.compute_bitmask(),
         "mask": lambda: state._mask(state.matcher),
         "masked row": lambda: state.apply(row),
+        "masked_fill_ row": lambda: row.clone()[0].masked_fill_(~state._mask(state.matcher), float("-inf")),
     }
     times = {name: [] for name in ways}
     for _ in range(repeats):

@@ -1706,6 +1706,8 @@ def test_structure_mask_times_every_way_at_every_answer_position_and_leaves_the_
     fresh = StructureState(Structure.json(True), target.tokenizer, vocab)
     fresh.add(answer)  # the same tokens from the start: the timed matcher took them as this one does
     assert torch.equal(state.allowed(), fresh.allowed())
+    row = torch.randn(1, vocab)  # the engine's fill and masked_fill_'s agree
+    assert torch.equal(state.apply(row), row.masked_fill(~state.allowed(), float("-inf")))
 
 
 def test_draft_vocab_audits_sampled_runs_by_their_distribution(folder, monkeypatch):
