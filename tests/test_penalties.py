@@ -32,6 +32,7 @@ def test_rows_follow_the_output_and_the_drafts_before_them():
     state = PenaltyState(penalties, prompt_ids=[1, 2])
     state.add([2, 3, 3])
     logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    raw = logits.clone()
     drafts = [3, 5, 5]
     got = state.apply(logits, drafts)
     for row in range(4):
@@ -41,7 +42,7 @@ def test_rows_follow_the_output_and_the_drafts_before_them():
             expected = by_hand(float(logits[row, token]), generated[token], in_context, 0.25, 0.5, 2.0,
                                bias.get(token, 0.0))
             assert float(got[row, token]) == pytest.approx(expected, abs=1e-6), (row, token)
-    assert not torch.equal(got, logits) and torch.equal(logits, logits.clone())  # the raw rows stay
+    assert not torch.equal(got, logits) and torch.equal(logits, raw)  # the raw rows stay
 
 
 def test_each_row_is_what_a_plain_step_at_its_position_sees():
