@@ -47,6 +47,36 @@ def test_a_drafts_columns_are_masked_as_their_ids(target):
     assert masked[1, digit].isfinite() and not masked[1, 100].isfinite()
 
 
+def test_rows_ruled_as_read_are_the_pass_ruled_at_once_and_only_rows_read_are_masked(target, monkeypatch):
+    """Sampled verification reads a pass's rows up to its first rejection; ruled as read (the
+    penalties, then the mask), each row read is the row apply() gives the whole pass, a
+    row after a refused draft included, and a row never read is never masked."""
+    from verispec.penalties import LogitsRules, Penalties, PenaltyState
+
+    vocab = tiny.byte_vocab()
+    a, b, c, x = vocab["a"], vocab["b"], vocab["c"], vocab["x"]
+    structure = StructureState(Structure.regex("[ab]+c"), target.tokenizer, target.config.vocab_size)
+    rules = LogitsRules(PenaltyState(Penalties(presence=0.5, repetition=1.3), [a, x]), structure)
+    rules.add([a])
+    logits = torch.randn(5, target.config.vocab_size, generator=torch.Generator().manual_seed(0)) * 3
+    raw = logits.clone()
+    drafts = [b, x, a, c]  # x is refused: rows 2 and up make no choice, and allow every id
+    whole = rules.apply(logits, drafts)
+    masks = []
+    real_mask = StructureState._mask
+
+    def counted_mask(self, matcher):
+        masks.append(matcher)
+        return real_mask(self, matcher)
+
+    monkeypatch.setattr(StructureState, "_mask", counted_mask)
+    as_read = rules.as_read(logits, drafts)
+    assert torch.equal(as_read[1], whole[1]) and torch.equal(as_read[0], whole[0]) and len(masks) == 2
+    assert torch.equal(as_read[3], whole[3]) and len(masks) == 2  # after the refused draft: penalised alone
+    assert torch.equal(as_read[0], whole[0]) and len(masks) == 2  # a row is ruled once
+    assert not whole[0].isfinite().all() and torch.equal(logits, raw)  # the raw rows stay
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_a_greedy_choice_masks_only_rows_whose_argmax_is_refused(target, seed):
     """Each row's argmax after the greedy shortcut is the argmax of the fully masked row, for

@@ -377,11 +377,11 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
         t0 = time.perf_counter()
         feed = torch.tensor([[context[-1], *drafts]], device=device)
         logits = model(feed, cache)[0]
-        choices = rules.apply(logits, drafts, greedy=params.greedy) if rules else logits  # logprobs: raw rows
-        if params.greedy:
-            verdict = verify_greedy(choices, drafts)
+        if params.greedy:  # the rules apply to the rows choices are made from; logprobs read the raw rows
+            verdict = verify_greedy(rules.apply(logits, drafts, greedy=True) if rules else logits, drafts)
         else:
-            verdict = verify_sampling(choices, drafts, draft_probs, params, generator)
+            verdict = verify_sampling(rules.as_read(logits, drafts) if rules else logits, drafts, draft_probs,
+                                      params, generator)
         kept = len(context) + verdict.accepted
         cache.rollback(kept)
         if proposer is not None:

@@ -177,3 +177,23 @@ class LogitsRules:
         if self.structure is not None:
             logits = self.structure.apply(logits, drafts, before, column_of, greedy=greedy)
         return logits
+
+    def as_read(self, logits: torch.Tensor, drafts: Sequence[int]) -> "RowsAsRead":
+        """A verification pass's rows [rows, vocab] with the rules applied to each as it is
+        first read: what `apply(logits, drafts)` gives, for a reader that stops early."""
+        return RowsAsRead(logits, self, drafts)
+
+
+class RowsAsRead:
+    """Rows of a pass, each ruled when first indexed. Sampled verification reads rows up to its
+    first rejection, and a structure's mask costs a sampled row a pass over the vocabulary
+    (benchmarks/structure_mask.py), so the rows after the rejection are never ruled."""
+
+    def __init__(self, logits: torch.Tensor, rules: LogitsRules, drafts: Sequence[int]):
+        self.logits, self.rules, self.drafts = logits, rules, list(drafts)
+        self.ruled: dict[int, torch.Tensor] = {}
+
+    def __getitem__(self, row: int) -> torch.Tensor:
+        if row not in self.ruled:  # row i follows drafts[:i], as in apply()
+            self.ruled[row] = self.rules.apply(self.logits[row:row + 1], before=self.drafts[:row])[0]
+        return self.ruled[row]

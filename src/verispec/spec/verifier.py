@@ -9,11 +9,15 @@ of the target's own: the *recovered* token at the first rejection, or the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from verispec.sampling import SamplingParams, greedy_tokens, probabilities, sample
 from verispec.spec.proposer import DraftProbs
+
+if TYPE_CHECKING:
+    from verispec.penalties import RowsAsRead
 
 
 @dataclass
@@ -35,7 +39,7 @@ def verify_greedy(target_logits: torch.Tensor, drafts: list[int]) -> Verdict:
     return Verdict(len(drafts), choices[len(drafts)], bonus=True)
 
 
-def verify_sampling(target_logits: torch.Tensor, drafts: list[int], draft_probs: DraftProbs | None,
+def verify_sampling(target_logits: torch.Tensor | RowsAsRead, drafts: list[int], draft_probs: DraftProbs | None,
                     params: SamplingParams, generator: torch.Generator) -> Verdict:
     """Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
 
@@ -43,7 +47,9 @@ def verify_sampling(target_logits: torch.Tensor, drafts: list[int], draft_probs:
     draw from the residual max(0, p - q) renormalised. A draft without
     probabilities is one-hot: q(d) = 1. The emitted tokens then follow p exactly.
     The target's distribution is computed row by row as the drafts are looked at: the rows
-    after a rejection are never needed, and each is a pass over the vocabulary.
+    after a rejection are never needed, and each is a pass over the vocabulary. So
+    `target_logits` is indexed by row alone, and may be rows ruled as they are read
+    (verispec.penalties.RowsAsRead).
     """
     for i, draft in enumerate(drafts):
         # draws use the request's CPU generator, so the rows they read move to the CPU
