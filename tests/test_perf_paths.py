@@ -1710,6 +1710,46 @@ def test_structure_mask_times_every_way_at_every_answer_position_and_leaves_the_
     assert torch.equal(state.apply(row), row.masked_fill(~state.allowed(), float("-inf")))
 
 
+def test_penalty_cost_times_each_kind_of_row_in_turn(monkeypatch):
+    """benchmarks/penalty_cost.py: a round's three kinds of call penalise rows of their own
+    widths (the pass γ + 1 rows over the vocabulary), and every way is timed each round, the
+    first moving from round to round."""
+    import importlib
+    import random
+
+    from verispec.penalties import Penalties, PenaltyState
+    from verispec.spec.draft_model import ColumnMap
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    penalty_cost = importlib.import_module("penalty_cost")
+    state = PenaltyState(Penalties(presence=0.5, repetition=1.1), [5, 40_000])
+    state.add([7, 7, 50_000])
+    column_map = ColumnMap(penalty_cost.DRAFT_IDS, [40_000], {40_000: penalty_cost.DRAFT_IDS})
+    calls = penalty_cost.calls_of_a_round(state, column_map, 4, random.Random(0))
+    shapes = [tuple(state.apply(**call).shape) for call in calls.values()]
+    assert shapes == [(1, penalty_cost.VOCAB), (1, penalty_cost.DRAFT_IDS + 64), (5, penalty_cost.VOCAB)]
+    order = []
+    seconds = penalty_cost.timed({name: (lambda name=name: order.append(name)) for name in "abc"}, 2, 3)
+    assert list(seconds) == list("abc") and all(value >= 0 for value in seconds.values())
+    assert order == list("aabbcc" "bbccaa" "ccaabb")
+
+
+def test_freed_memory_child_decodes_plainly_and_speculatively_alike(folder, monkeypatch):
+    """benchmarks/freed_memory.py: a child's run decodes each prompt plainly and speculatively,
+    the same tokens, and counts its page faults."""
+    import argparse
+    import importlib
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    freed_memory = importlib.import_module("freed_memory")
+    args = argparse.Namespace(target=str(folder), draft=str(folder), weights=None, draft_weights=None, prompts=2,
+                              tokens=12)
+    run = freed_memory.child(freed_memory.SETTINGS[0], args)
+    assert len(run["plain_tok_s"]) == len(run["spec_tok_s"]) == len(run["tokens"]) == 2
+    assert all(plain == spec and len(plain) > 0 for plain, spec in run["tokens"])
+    assert run["faults"] >= 0 and min(run["spec_tok_s"]) > 0
+
+
 def test_draft_vocab_audits_sampled_runs_by_their_distribution(folder, monkeypatch):
     """benchmarks/draft_vocab.py --temperature: runs sample, and each way's tokens (the plain runs'
     too) are tested against the target's distribution instead of compared token for token."""
