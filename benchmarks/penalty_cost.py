@@ -7,11 +7,13 @@
 With presence, frequency and repetition penalties on, a request's rows are penalised before
 each choice (`PenaltyState.apply`): a plain step's one row, each draft step's row (through the
 limited draft's columns: its first 32,768 ids and the context's), and the verification pass's
-γ + 1 rows, each of which also counts the drafts before it. Each is timed on rows of
-Qwen2.5's 151,936 logits after a prompt and an output of --context ids between them, the kinds
-in turn; so is the first call after the output grows, which gathers the context's ids again
-(once a round for each model), and the copy every call makes of its rows: a fresh copy (what
-apply does) against a copy into memory written before.
+γ + 1 rows, each of which also counts the drafts before it: greedy verification's (its rows
+written where the last pass's were, every row's own ids penalised in one call), and the same
+pass as it was before (a fresh copy, a call per id and row), checked to give the same bits.
+Each is timed on rows of Qwen2.5's 151,936 logits after a prompt and an output of --context
+ids between them, the kinds in turn; so is the first call after the output grows, which
+gathers the context's ids again (once a round for each model), and a fresh copy of a pass's
+rows against a copy into memory written before.
 
 A fresh tensor of 2 MB or more gets new transparent huge pages from the kernel (verispec sets
 THP_MEM_ALLOC_ENABLE for the weights' sake), zeroed on first touch, whenever glibc has handed
@@ -26,6 +28,7 @@ import ctypes
 import random
 import sys
 import time
+from collections import Counter
 
 
 def keep_freed_memory() -> None:
@@ -47,6 +50,27 @@ from perf_common import machine_load, median, save, warn_if_busy  # noqa: E402
 VOCAB, DRAFT_IDS = 151_936, 32_768
 
 
+def apply_as_before(state, logits: torch.Tensor, drafts=(), before=(), column_of=None, reuse=False) -> torch.Tensor:
+    """PenaltyState.apply as it was: a fresh copy of the rows, and the ids a row's own drafts
+    add penalised one call per id and row (no logit bias or min_tokens here)."""
+    from verispec.penalties import _column
+
+    width = logits.shape[-1]
+    out = logits.clone()
+    columns, counts = state._columns(
+        "context", (column_of, width, logits.device),
+        lambda: [(i, state.generated[i]) for i in sorted(state.prompt | state.generated.keys())])
+    if columns.numel():
+        out[:, columns] = state.penalties.penalised(logits[:, columns], counts)
+    for row in range(logits.shape[0]):
+        for token, extra in Counter([*before, *drafts[:row]]).items():
+            column = _column(token, width, column_of)
+            if column is not None:
+                count = torch.tensor([state.generated[token] + extra], dtype=torch.float32)
+                out[row, column:column + 1] = state.penalties.penalised(logits[row, column:column + 1], count)
+    return out
+
+
 def calls_of_a_round(state, column_map, gamma: int, rng: random.Random) -> dict[str, dict]:
     """The calls a round makes: (logits, drafts, before, column_of) for each kind of row."""
     drafts = [rng.choice(sorted(state.generated)) for _ in range(gamma)]  # drafts repeat the output's ids
@@ -55,7 +79,7 @@ def calls_of_a_round(state, column_map, gamma: int, rng: random.Random) -> dict[
         f"draft step ({gamma // 2} drafts before)": dict(logits=torch.randn(1, DRAFT_IDS + 64), drafts=[],
                                                           before=drafts[:gamma // 2], column_of=column_map),
         f"verification pass ({gamma + 1} rows)": dict(logits=torch.randn(gamma + 1, VOCAB), drafts=drafts,
-                                                      before=[], column_of=None),
+                                                      before=[], column_of=None, reuse=True),
     }
 
 
@@ -105,10 +129,15 @@ def main() -> int:
         state.apply(calls["plain step (1 row)"]["logits"])
 
     ways = {name: (lambda call=call: state.apply(**call)) for name, call in calls.items()}
+    pass_call = calls[f"verification pass ({args.gamma + 1} rows)"]
+    ways["the pass as before"] = lambda: apply_as_before(state, **pass_call)
     ways["first call after a token joins"] = grown
     ways["a fresh copy of the pass's rows"] = pass_rows.clone
     ways["a copy into memory written before"] = lambda: written.copy_(pass_rows)
     with torch.inference_mode():
+        if not torch.equal(state.apply(**pass_call), apply_as_before(state, **pass_call)):
+            print("  the pass's rows differ from the earlier way's")
+            return 1
         seconds = timed(ways, args.calls, args.rounds)
     for name, value in seconds.items():
         print(f"  {name:>34}: {value * 1e6:7.0f} µs")

@@ -45,6 +45,23 @@ def test_rows_follow_the_output_and_the_drafts_before_them():
     assert not torch.equal(got, logits) and torch.equal(logits, raw)  # the raw rows stay
 
 
+def test_reused_rows_are_the_same_rows_written_where_the_last_reused_call_wrote():
+    """apply(reuse=True), as greedy verification calls it: the values of a fresh copy, in one
+    scratch block from call to call (grown when a pass has more rows), the raw rows untouched."""
+    penalties = Penalties(presence=0.25, frequency=0.5, repetition=2.0, logit_bias={1: 1.5})
+    state = PenaltyState(penalties, prompt_ids=[1, 2])
+    state.add([2, 3, 3])
+    generator = torch.Generator().manual_seed(2)
+    first, second, longer = (torch.randn(rows, 8, generator=generator) for rows in (4, 3, 12))
+    raw = first.clone()
+    reused = state.apply(first, [3, 5, 5], reuse=True)
+    assert torch.equal(reused, state.apply(first, [3, 5, 5])) and torch.equal(first, raw)
+    again = state.apply(second, [5, 5], reuse=True)
+    assert again.data_ptr() == reused.data_ptr() and torch.equal(again, state.apply(second, [5, 5]))
+    assert torch.equal(state.apply(longer, [5] * 11, reuse=True), state.apply(longer, [5] * 11))
+    assert state.apply(second, [5, 5]).data_ptr() != state.apply(second, [5, 5], reuse=True).data_ptr()
+
+
 def test_each_row_is_what_a_plain_step_at_its_position_sees():
     """Bit for bit: a verification row and the one-row step after the same tokens round alike."""
     penalties = Penalties(presence=0.3, frequency=0.7, repetition=1.3, logit_bias={7: 0.3, 12: -1.1, 30: 4.0})

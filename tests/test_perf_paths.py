@@ -1728,6 +1728,8 @@ def test_penalty_cost_times_each_kind_of_row_in_turn(monkeypatch):
     calls = penalty_cost.calls_of_a_round(state, column_map, 4, random.Random(0))
     shapes = [tuple(state.apply(**call).shape) for call in calls.values()]
     assert shapes == [(1, penalty_cost.VOCAB), (1, penalty_cost.DRAFT_IDS + 64), (5, penalty_cost.VOCAB)]
+    for call in calls.values():  # the engine's rows, bit for bit those of the earlier way
+        assert torch.equal(state.apply(**call), penalty_cost.apply_as_before(state, **call))
     order = []
     seconds = penalty_cost.timed({name: (lambda name=name: order.append(name)) for name in "abc"}, 2, 3)
     assert list(seconds) == list("abc") and all(value >= 0 for value in seconds.values())

@@ -378,7 +378,8 @@ def stream(target, prompt: str | list[int] | list[dict[str, Any]], *, draft=None
         feed = torch.tensor([[context[-1], *drafts]], device=device)
         logits = model(feed, cache)[0]
         if params.greedy:  # the rules apply to the rows choices are made from; logprobs read the raw rows
-            verdict = verify_greedy(rules.apply(logits, drafts, greedy=True) if rules else logits, drafts)
+            choices = rules.apply(logits, drafts, greedy=True, reuse=True) if rules else logits
+            verdict = verify_greedy(choices, drafts)
         else:
             verdict = verify_sampling(rules.as_read(logits, drafts) if rules else logits, drafts, draft_probs,
                                       params, generator)

@@ -74,6 +74,7 @@ class PenaltyState:
         self.prompt = set(prompt_ids) if penalties.repetition != 1 else set()
         self.end_ids = sorted(end_ids) if penalties.min_tokens else []
         self._cache: dict[str, tuple] = {}  # name -> (key, columns, values)
+        self._scratch: torch.Tensor | None = None  # where reused rows are written (see apply)
 
     def add(self, tokens: Iterable[int]) -> None:
         """Tokens that joined the output."""
@@ -83,34 +84,61 @@ class PenaltyState:
         self._cache.pop("context", None)
 
     def apply(self, logits: torch.Tensor, drafts: Sequence[int] = (), before: Sequence[int] = (),
-              column_of: ColumnOf | None = None) -> torch.Tensor:
+              column_of: ColumnOf | None = None, reuse: bool = False) -> torch.Tensor:
         """Penalised copies of rows [rows, width]: row i follows the output, then `before`, then
         drafts[:i]. The rows' columns are the token ids, or where `column_of` is given, what it
         maps each id to (None: the id has no column), as a draft limited to its first ids and
         the context's has them; one `column_of` serves a round's calls. The bias comes first,
-        as in vLLM, so the repetition penalty scales biased logits; min_tokens's rule last."""
+        as in vLLM, so the repetition penalty scales biased logits; min_tokens's rule last.
+
+        With `reuse`, the copy is written where the last such call wrote, valid until the next:
+        for a caller done with the rows before it calls again. A pass's rows are megabytes, and
+        a fresh block that size is new memory the kernel zeroes on first touch, most of a
+        penalised pass's cost (benchmarks/penalty_cost.py)."""
         width = logits.shape[-1]
         key = (column_of, width, logits.device)
         if self.penalties.logit_bias:
             columns, amounts = self._columns("bias", key, lambda: self.penalties.logit_bias)
             logits = logits.clone()
             logits[:, columns] += amounts
-        out = logits.clone()
+        out = self._reused(logits) if reuse else logits.clone()
         columns, counts = self._columns(
             "context", key, lambda: [(i, self.generated[i]) for i in sorted(self.prompt | self.generated.keys())])
         if columns.numel():
             out[:, columns] = self.penalties.penalised(logits[:, columns], counts)
-        for row in range(logits.shape[0]):
-            for token, extra in Counter([*before, *drafts[:row]]).items():
-                column = _column(token, width, column_of)
-                if column is not None:
-                    count = torch.tensor([self.generated[token] + extra], dtype=torch.float32, device=logits.device)
-                    out[row, column:column + 1] = self.penalties.penalised(logits[row, column:column + 1], count)
+        rows, row_columns, row_counts = self._row_entries(logits.shape[0], drafts, before, width, column_of)
+        if rows:  # the ids `before` and the drafts before each row add to it, every row in one call
+            at = (torch.tensor(rows, device=logits.device), torch.tensor(row_columns, device=logits.device))
+            counts = torch.tensor(row_counts, dtype=torch.float32, device=logits.device)
+            out[at] = self.penalties.penalised(logits[at], counts)
         early = min(logits.shape[0], self.penalties.min_tokens - self.length - len(before))
         if early > 0 and self.end_ids:  # rows that choose a token before min_tokens cannot end the text
             columns, _ = self._columns("end", key, lambda: [(i, 0.0) for i in self.end_ids])
             out[:early, columns] = float("-inf")
         return out
+
+    def _row_entries(self, rows: int, drafts: Sequence[int], before: Sequence[int], width: int,
+                     column_of: ColumnOf | None) -> tuple[list[int], list[int], list[float]]:
+        """(row, column, count) of each id that `before` and drafts[:row] add to row `row`'s
+        context, the count being how often the output and they hold it."""
+        at_rows, columns, counts = [], [], []
+        for row in range(rows):
+            for token, extra in Counter([*before, *drafts[:row]]).items():
+                column = _column(token, width, column_of)
+                if column is not None:
+                    at_rows.append(row)
+                    columns.append(column)
+                    counts.append(float(self.generated[token] + extra))
+        return at_rows, columns, counts
+
+    def _reused(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of `logits` in the scratch rows, grown when too few or of another kind."""
+        rows, width = logits.shape
+        scratch = self._scratch
+        if (scratch is None or scratch.shape[0] < rows or scratch.shape[1] != width or scratch.dtype != logits.dtype
+                or scratch.device != logits.device):
+            self._scratch = scratch = torch.empty(max(rows, 8), width, dtype=logits.dtype, device=logits.device)
+        return scratch[:rows].copy_(logits)
 
     def _columns(self, name: str, key: tuple, pairs: Callable[[], Iterable[tuple[int, float]]]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,11 +197,12 @@ class LogitsRules:
                 rule.add(tokens)
 
     def apply(self, logits: torch.Tensor, drafts: Sequence[int] = (), before: Sequence[int] = (),
-              column_of: ColumnOf | None = None, greedy: bool = False) -> torch.Tensor:
+              column_of: ColumnOf | None = None, greedy: bool = False, reuse: bool = False) -> torch.Tensor:
         """The rows with the rules applied; with `greedy`, for a caller that takes each row's
-        argmax, which the structure then masks only where it refuses it (StructureState.apply)."""
+        argmax, which the structure then masks only where it refuses it (StructureState.apply);
+        with `reuse`, for a caller done with them before it calls again (PenaltyState.apply)."""
         if self.penalty is not None:
-            logits = self.penalty.apply(logits, drafts, before, column_of)
+            logits = self.penalty.apply(logits, drafts, before, column_of, reuse=reuse)
         if self.structure is not None:
             logits = self.structure.apply(logits, drafts, before, column_of, greedy=greedy)
         return logits
