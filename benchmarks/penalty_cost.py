@@ -24,20 +24,12 @@ the last such block back. --keep-freed-memory raises glibc's trim and mmap thres
 from __future__ import annotations
 
 import argparse
-import ctypes
 import random
 import sys
 import time
 from collections import Counter
 
-
-def keep_freed_memory() -> None:
-    """glibc: keep up to 128 MB freed at the heap's top, and serve blocks under 32 MB from the heap."""
-    libc = ctypes.CDLL("libc.so.6")
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    if not (libc.mallopt(m_trim_threshold, 128 << 20) and libc.mallopt(m_mmap_threshold, 32 << 20)):
-        raise SystemExit("mallopt refused the thresholds")
-
+from freed_memory import keep_freed_memory  # it imports no torch
 
 if __name__ == "__main__" and "--keep-freed-memory" in sys.argv:
     keep_freed_memory()  # before torch allocates anything
