@@ -14,9 +14,10 @@ target's choice must be the answer's token (a pass gives each row the logits a p
 does). Per position: did the penalties change the target's choice, did they change the
 draft's, and does the penalised draft choose the target's token: the acceptance a draft that
 read the whole context would reach at γ = 1; and does either of the draft's two choices (a
-tree of two proposals where the penalties turned the draft's choice) hold the target's. The draft proposes the whole vocabulary unless
---draft-vocab limits it as the engine does (its first ids, Markdown's marks, and every id of
-the prompt and of the answer before the position).
+tree of two proposals where the penalties turned the draft's choice) hold the target's. The
+draft proposes the whole vocabulary unless --draft-vocab limits it as the engine does (its
+first ids, Markdown's marks, and every id of the prompt and of the answer before the
+position).
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ def main() -> int:
         settings["no code fences"]["logit_bias"] = fence_ban(target.tokenizer)
     limit = pair_vocab_limit(args.draft_vocab, draft, target)
     standing = markdown_ids(draft.tokenizer) if limit is not None else []
-    print("  the draft proposes " + ("every id" if limit is None else f"the first {limit} ids, Markdown's and the context's"))
+    proposes = "every id" if limit is None else f"the first {limit} ids, Markdown's and the context's"
+    print(f"  the draft proposes {proposes}")
     record.update(tokens=args.tokens, draft_vocab=limit, categories={})
     exact = True
     for category in args.categories:

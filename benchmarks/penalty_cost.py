@@ -37,14 +37,15 @@ if __name__ == "__main__" and "--keep-freed-memory" in sys.argv:
 import verispec  # noqa: E402,F401  (before torch: it sets how torch's threads wait)
 import torch  # noqa: E402
 
-from perf_common import machine_load, median, save, warn_if_busy  # noqa: E402
+from perf_common import machine_load, median, rotated, save, warn_if_busy  # noqa: E402
 
 VOCAB, DRAFT_IDS = 151_936, 32_768
 
 
 def apply_as_before(state, logits: torch.Tensor, drafts=(), before=(), column_of=None, reuse=False) -> torch.Tensor:
-    """PenaltyState.apply as it was: a fresh copy of the rows, and the ids a row's own drafts
-    add penalised one call per id and row (no logit bias or min_tokens here)."""
+    """PenaltyState.apply as it was: a fresh copy of the rows (`reuse` is taken and ignored), and
+    the ids a row's own drafts add penalised one call per id and row (no logit bias or
+    min_tokens here)."""
     from verispec.penalties import _column
 
     width = logits.shape[-1]
@@ -78,9 +79,8 @@ def calls_of_a_round(state, column_map, gamma: int, rng: random.Random) -> dict[
 def timed(ways: dict, calls: int, rounds: int) -> dict[str, float]:
     """Median seconds a call of each way, the ways in turn, the first moving from round to round."""
     times = {name: [] for name in ways}
-    names = list(ways)
     for round_ in range(rounds):
-        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+        for name in rotated(list(ways), round_):
             way = ways[name]
             started = time.perf_counter()
             for _ in range(calls):
